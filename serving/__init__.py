@@ -1,0 +1,1 @@
+"""tierserve: serving."""

@@ -1,0 +1,94 @@
+"""Attention over a paged KV cache, for a batch mixing decodes and prefill chunks.
+
+The cache of one layer is two tensors `[num_blocks, block_size, num_kv_heads, head_dim]`.
+A sequence owns a list of blocks (its block table); token `i` of the sequence lives in
+block `table[i // block_size]` at offset `i % block_size`. New keys and values are written
+at `slot_mapping` (flat slot = block * block_size + offset) before attention reads them.
+
+Tokens of a step are laid out decodes first (one token per sequence, batched into one
+attention call), then prefill chunks (one call each, with a causal mask over the cached
+prefix and the chunk).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first token of the chunk in the step's flat token array
+    length: int  # tokens in the chunk
+    context_len: int  # tokens of the sequence in the cache after this step (prefix + chunk)
+    block_table: torch.Tensor  # [num_blocks_of_sequence] long
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] long
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] long, padded
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] long
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    # Built once per step for decode attention: additive mask hiding padded cache slots.
+    decode_mask: torch.Tensor | None = None
+
+    def prepare(self, block_size: int) -> None:
+        """Precompute what every layer would otherwise rebuild."""
+        if self.num_decodes:
+            max_ctx = self.decode_block_tables.shape[1] * block_size
+            pos = torch.arange(max_ctx)
+            valid = pos[None, :] < self.decode_context_lens[:, None]
+            self.decode_mask = valid[:, None, None, :]  # [B, 1, 1, max_ctx]
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the step's keys and values ([T, kv_heads, head_dim]) at their slots."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[..., max_blocks] block ids -> [..., kv_heads, max_blocks * block_size, head_dim]."""
+    g = cache[block_tables]  # [..., max_blocks, block_size, kv, d]
+    g = g.flatten(-4, -3)  # [..., ctx, kv, d]
+    return g.transpose(-3, -2)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads, head_dim], reading keys and values from the cache."""
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        k = _gather(k_cache, meta.decode_block_tables)  # [B, kv, ctx, d]
+        v = _gather(v_cache, meta.decode_block_tables)
+        qd = q[:nd].unsqueeze(2)  # [B, heads, 1, d]
+        o = F.scaled_dot_product_attention(
+            qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[:nd] = o.squeeze(2)
+    for chunk in meta.prefills:
+        ctx = chunk.context_len
+        k = _gather(k_cache, chunk.block_table)[:, :ctx]  # [kv, ctx, d]
+        v = _gather(v_cache, chunk.block_table)[:, :ctx]
+        qc = q[chunk.start : chunk.start + chunk.length].transpose(0, 1)  # [heads, L, d]
+        q_pos = torch.arange(ctx - chunk.length, ctx)
+        mask = torch.arange(ctx)[None, :] <= q_pos[:, None]  # causal over prefix + chunk
+        o = F.scaled_dot_product_attention(
+            qc, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[chunk.start : chunk.start + chunk.length] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,186 @@
+"""Hugging Face checkpoint directories in and out of our fused model.
+
+On disk the tensors carry the names transformers writes for Qwen3-MoE / Qwen3 (per-expert
+`mlp.experts.{e}.gate_proj.weight`, separate q/k/v projections); in memory they are fused
+(`qkv_proj`, `gate_up_proj`, experts stacked as `[E, 2I, H]` and `[E, H, I]`). MTP layers are
+stored as extra tensors `mtp.layers.{d}.*` that transformers ignores.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from serving.config import CheckpointError, ModelConfig
+from serving.model import CausalLM
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _attn_to_hf(ours: str, hf: str, sd: dict, cfg: ModelConfig, out: dict) -> None:
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    for kind in ("weight", "bias"):
+        t = sd.get(f"{ours}.self_attn.qkv_proj.{kind}")
+        if t is not None:
+            for name, part in zip("qkv", t.split([q, kv, kv]), strict=True):
+                out[f"{hf}.self_attn.{name}_proj.{kind}"] = part
+    for name in ("o_proj.weight", "o_proj.bias", "q_norm.weight", "k_norm.weight"):
+        if f"{ours}.self_attn.{name}" in sd:
+            out[f"{hf}.self_attn.{name}"] = sd[f"{ours}.self_attn.{name}"]
+    for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        out[f"{hf}.{name}"] = sd[f"{ours}.{name}"]
+
+
+def _layer_to_hf(ours: str, hf: str, sd: dict, cfg: ModelConfig, out: dict) -> None:
+    _attn_to_hf(ours, hf, sd, cfg, out)
+    if f"{ours}.mlp.gate_up" in sd:  # sparse
+        out[f"{hf}.mlp.gate.weight"] = sd[f"{ours}.mlp.gate.weight"]
+        for e, (gu, down) in enumerate(
+            zip(sd[f"{ours}.mlp.gate_up"], sd[f"{ours}.mlp.down"], strict=True)
+        ):
+            gate, up = gu.chunk(2)
+            out[f"{hf}.mlp.experts.{e}.gate_proj.weight"] = gate
+            out[f"{hf}.mlp.experts.{e}.up_proj.weight"] = up
+            out[f"{hf}.mlp.experts.{e}.down_proj.weight"] = down
+    else:
+        gate, up = sd[f"{ours}.mlp.gate_up_proj.weight"].chunk(2)
+        out[f"{hf}.mlp.gate_proj.weight"] = gate
+        out[f"{hf}.mlp.up_proj.weight"] = up
+        out[f"{hf}.mlp.down_proj.weight"] = sd[f"{ours}.mlp.down_proj.weight"]
+
+
+def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """Our fused state dict under transformers' on-disk names."""
+    cfg, sd = model.config, model.state_dict()
+    out = {"model.embed_tokens.weight": sd["embed_tokens.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        _layer_to_hf(f"layers.{i}", f"model.layers.{i}", sd, cfg, out)
+    for d in range(len(model.mtp)):
+        ours, hf = f"mtp.{d}", f"mtp.layers.{d}"
+        for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "norm.weight"):
+            out[f"{hf}.{name}"] = sd[f"{ours}.{name}"]
+        _layer_to_hf(f"{ours}.block", f"{hf}.block", sd, cfg, out)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], model: CausalLM) -> dict[str, torch.Tensor]:
+    """The inverse of `to_hf_state_dict`, driven by our model's own parameter names."""
+    cfg = model.config
+    out = {}
+    for name, param in model.state_dict().items():
+        src = _hf_prefix(name)
+        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            kind = name.rsplit(".", 1)[1]
+            base = src.rsplit(".qkv_proj", 1)[0]
+            t = torch.cat([_take(hf, f"{base}.{p}_proj.{kind}") for p in "qkv"])
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            base = src.rsplit(".gate_up_proj", 1)[0]
+            t = torch.cat([_take(hf, f"{base}.gate_proj.weight"), _take(hf, f"{base}.up_proj.weight")])
+        elif name.endswith("mlp.gate_up") or name.endswith("mlp.down"):
+            t = _experts(hf, src, name.endswith("gate_up"), cfg.num_experts)
+        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        else:
+            t = _take(hf, src)
+        if t.shape != param.shape:
+            raise CheckpointError(f"{src}: shape {tuple(t.shape)}, expected {tuple(param.shape)}")
+        out[name] = t
+    return out
+
+
+def _hf_prefix(name: str) -> str:
+    if name.startswith("mtp."):
+        return "mtp.layers." + name[len("mtp.") :]
+    if name == "lm_head.weight":
+        return name
+    return "model." + name
+
+
+def _take(hf: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    try:
+        return hf[key]
+    except KeyError:
+        raise CheckpointError(f"model.safetensors is missing tensor {key!r}") from None
+
+
+def _experts(hf: dict, src: str, gate_up: bool, num_experts: int) -> torch.Tensor:
+    base = src.rsplit(".", 1)[0]  # "...mlp"
+    fused = f"{base}.experts.{'gate_up_proj' if gate_up else 'down_proj'}"
+    if fused in hf:  # already stacked, as transformers holds it in memory
+        return hf[fused]
+    per = []
+    for e in range(num_experts):
+        p = f"{base}.experts.{e}"
+        if gate_up:
+            per.append(torch.cat([_take(hf, f"{p}.gate_proj.weight"), _take(hf, f"{p}.up_proj.weight")]))
+        else:
+            per.append(_take(hf, f"{p}.down_proj.weight"))
+    return torch.stack(per)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of `model.safetensors`, or of the shards its index names."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"{index}: malformed index: {e!r}") from e
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path}: no model.safetensors")
+    tensors = {}
+    for f in files:
+        try:
+            with safe_open(path / f, framework="pt") as st:
+                for k in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    tensors[k] = st.get_tensor(k)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path / f}: unreadable safetensors file: {e}") from e
+    return tensors
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    config = ModelConfig.from_file(path / "config.json")
+    with torch.device("meta"):
+        model = CausalLM(config)
+    state = from_hf_state_dict(read_safetensors(path), model)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=False)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # Non-persistent buffers (RoPE tables) were created on meta: rebuild them.
+    fresh = type(model.rotary)(config.head_dim, config.max_position_embeddings, config.rope_theta)
+    model.rotary.cos, model.rotary.sin = fresh.cos, fresh.sin
+    return model.eval()
+
+
+def save_checkpoint(
+    model: CausalLM,
+    path: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    generation_config: dict | None = None,
+) -> None:
+    """Write a directory that transformers, vLLM and our loader all read."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    save_file(to_hf_state_dict(model), path / "model.safetensors", metadata={"format": "pt"})
+    if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != path.resolve():
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).exists():
+                shutil.copy(Path(tokenizer_dir) / name, path / name)
+    gen = generation_config or {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(model.config, key) is not None:
+            gen.setdefault(key, getattr(model.config, key))
+    (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -1,0 +1,43 @@
+"""Per-request sampling settings, as the engine sees them (validated at the API edge)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """What vLLM's SamplingParams holds, minus what nobody asked for.
+
+    `top_k <= 0` and `top_p == 1` disable those filters; `temperature == 0` means greedy.
+    `logprobs=None` returns no logprobs, `0` only the chosen token's, `k` also the top k.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    n: int = 1
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-5
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
