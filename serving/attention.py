@@ -87,8 +87,6 @@ def paged_attention(
         qc = q[chunk.start : chunk.start + chunk.length].transpose(0, 1)  # [heads, L, d]
         q_pos = torch.arange(ctx - chunk.length, ctx)
         mask = torch.arange(ctx)[None, :] <= q_pos[:, None]  # causal over prefix + chunk
-        o = F.scaled_dot_product_attention(
-            qc, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )
+        o = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[chunk.start : chunk.start + chunk.length] = o.transpose(0, 1)
     return out

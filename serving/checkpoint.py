@@ -56,7 +56,10 @@ def _layer_to_hf(ours: str, hf: str, sd: dict, cfg: ModelConfig, out: dict) -> N
 def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """Our fused state dict under transformers' on-disk names."""
     cfg, sd = model.config, model.state_dict()
-    out = {"model.embed_tokens.weight": sd["embed_tokens.weight"], "model.norm.weight": sd["norm.weight"]}
+    out = {
+        "model.embed_tokens.weight": sd["embed_tokens.weight"],
+        "model.norm.weight": sd["norm.weight"],
+    }
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
@@ -81,7 +84,9 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], model: CausalLM) -> dict[str
             t = torch.cat([_take(hf, f"{base}.{p}_proj.{kind}") for p in "qkv"])
         elif name.endswith("mlp.gate_up_proj.weight"):
             base = src.rsplit(".gate_up_proj", 1)[0]
-            t = torch.cat([_take(hf, f"{base}.gate_proj.weight"), _take(hf, f"{base}.up_proj.weight")])
+            t = torch.cat(
+                [_take(hf, f"{base}.gate_proj.weight"), _take(hf, f"{base}.up_proj.weight")]
+            )
         elif name.endswith("mlp.gate_up") or name.endswith("mlp.down"):
             t = _experts(hf, src, name.endswith("gate_up"), cfg.num_experts)
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -118,7 +123,9 @@ def _experts(hf: dict, src: str, gate_up: bool, num_experts: int) -> torch.Tenso
     for e in range(num_experts):
         p = f"{base}.experts.{e}"
         if gate_up:
-            per.append(torch.cat([_take(hf, f"{p}.gate_proj.weight"), _take(hf, f"{p}.up_proj.weight")]))
+            per.append(
+                torch.cat([_take(hf, f"{p}.gate_proj.weight"), _take(hf, f"{p}.up_proj.weight")])
+            )
         else:
             per.append(_take(hf, f"{p}.down_proj.weight"))
     return torch.stack(per)

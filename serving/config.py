@@ -68,7 +68,8 @@ class ModelConfig:
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(
-                f"unsupported architecture {arch!r}; tierserve serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {arch!r}; "
+                f"tierserve serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         if rope.get("rope_type", "default") != "default":

@@ -92,7 +92,9 @@ class LLMEngine:
             else (tokenizer.eos_token_ids if tokenizer else [])
         )
         dtype = model.embed_tokens.weight.dtype
-        num_blocks = config.kv_cache_bytes // kv_bytes_per_block(model.config, config.block_size, dtype)
+        num_blocks = config.kv_cache_bytes // kv_bytes_per_block(
+            model.config, config.block_size, dtype
+        )
         if num_blocks < 1:
             raise ValueError("kv_cache_bytes is too small for one block")
         self.max_model_len = min(
@@ -130,7 +132,9 @@ class LLMEngine:
         if params.max_tokens < 1 or params.n < 1:
             raise EngineInputError("max_tokens and n must be at least 1")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         if request_id in self.requests:
             raise EngineInputError(f"request id {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
@@ -176,7 +180,9 @@ class LLMEngine:
             self.blocks.register_computed(seq)
         deltas: dict[str, list[SequenceOutput]] = {}
         for s in sampled:
-            deltas.setdefault(s.seq.request_id, []).append(self._append(s.seq, s.token_id, s.logprob, now))
+            deltas.setdefault(s.seq.request_id, []).append(
+                self._append(s.seq, s.token_id, s.logprob, now)
+            )
         outputs = []
         for request_id, outs in deltas.items():
             req = self.requests[request_id]
@@ -243,7 +249,9 @@ class LLMEngine:
         """Run prompts to completion; per prompt, its n accumulated outputs."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{id(self)}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-        results = {rid: [SequenceOutput(j) for j in range(p.n)] for rid, p in zip(ids, plist, strict=True)}
+        results = {
+            rid: [SequenceOutput(j) for j in range(p.n)] for rid, p in zip(ids, plist, strict=True)
+        }
         for rid, prompt, p in zip(ids, prompts, plist, strict=True):
             self.add_request(rid, prompt, p)
         while self.has_unfinished():

@@ -36,7 +36,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -160,9 +162,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta
-        )
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
@@ -194,6 +194,15 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             h = layer(h, positions, meta, mask, router_logits)
         return self.norm(h)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """transformers' initialisation: normal(0, std) matrices, unit norms."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

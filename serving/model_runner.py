@@ -71,9 +71,7 @@ class ModelRunner:
         slot_parts = [meta.slot_mapping]
         for seq, n in batch[meta.num_decodes :]:
             p = seq.num_computed_tokens
-            meta.prefills.append(
-                PrefillChunk(len(ids), n, p + n, torch.tensor(seq.block_table))
-            )
+            meta.prefills.append(PrefillChunk(len(ids), n, p + n, torch.tensor(seq.block_table)))
             ids.extend(seq.token_ids[p : p + n])
             positions.extend(range(p, p + n))
             slot_parts.append(self._slots(seq, p, n))
@@ -97,7 +95,10 @@ class ModelRunner:
         rows, last = [], []
         offset = 0
         for seq, n in batch:
-            if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+            if (
+                seq.params.prompt_logprobs is not None
+                and seq.num_computed_tokens < seq.num_prompt_tokens
+            ):
                 self._prompt_logprobs(seq, hidden[offset : offset + n], n)
             if seq.num_computed_tokens + n == len(seq):
                 rows.append(seq)
@@ -133,7 +134,9 @@ class ModelRunner:
         hi = min(start + n + 1, seq.num_prompt_tokens)
         if hi <= lo:
             return
-        logprobs = self.model.compute_logits(hidden[lo - 1 - start : hi - 1 - start]).log_softmax(-1)
+        logprobs = self.model.compute_logits(hidden[lo - 1 - start : hi - 1 - start]).log_softmax(
+            -1
+        )
         targets = torch.tensor(seq.token_ids[lo:hi])
         chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
         k = seq.params.prompt_logprobs

@@ -50,7 +50,7 @@ def grouped_experts(
     Tokens are sorted by expert so each used expert runs one matrix product over a
     contiguous slice; unused experts cost nothing.
     """
-    num_tokens, top_k = experts.shape
+    _num_tokens, top_k = experts.shape
     flat = experts.flatten()
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()

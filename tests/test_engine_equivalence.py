@@ -58,12 +58,14 @@ def test_chunked_prefill_and_preemption_keep_outputs(ckpt):
 def test_prefix_cache_hit_equals_miss(ckpt):
     engine = _engine(ckpt, block_size=4)
     shared = prompts(1, TINY_MOE["vocab_size"], seed=2)[0] * 2
-    miss = _tokens(engine.generate([shared + [5, 6, 7]], GREEDY))
-    hit_out = engine.generate([shared + [5, 6, 7]], GREEDY)
+    miss = _tokens(engine.generate([[*shared, 5, 6, 7]], GREEDY))
+    hit_out = engine.generate([[*shared, 5, 6, 7]], GREEDY)
     assert _tokens(hit_out) == miss
-    cold = _tokens(_engine(ckpt, enable_prefix_caching=False).generate([shared + [5, 6, 7]], GREEDY))
+    cold = _tokens(
+        _engine(ckpt, enable_prefix_caching=False).generate([[*shared, 5, 6, 7]], GREEDY)
+    )
     assert cold == miss
-    engine.add_request("probe", shared + [9], GREEDY)
+    engine.add_request("probe", [*shared, 9], GREEDY)
     engine.step()
     seq = engine.requests["probe"].seqs[0]
     assert seq.num_cached_tokens >= len(shared) // 4 * 4 - 4

@@ -6,8 +6,8 @@ the one transformers' `Qwen2Tokenizer` builds, so transformers, vLLM and our own
 """
 
 import json
-import shutil
 from collections.abc import Iterable
+from importlib import resources
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
@@ -33,7 +33,7 @@ MARKUP_TOKENS = [
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 MODEL_MAX_LENGTH = 32768
-CHAT_TEMPLATE = Path(__file__).resolve().parent.parent / "serving" / "chat_template.jinja"
+CHAT_TEMPLATE = resources.files("serving") / "chat_template.jinja"
 
 
 def _empty_tokenizer() -> Tokenizer:
@@ -106,5 +106,8 @@ def save_tokenizer(
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    shutil.copyfile(CHAT_TEMPLATE, out / "chat_template.jinja")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    template = CHAT_TEMPLATE.read_text(encoding="utf-8")
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")

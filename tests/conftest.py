@@ -1,0 +1,30 @@
+"""Shared pytest fixtures."""
+
+import random
+
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> tokenizers.Tokenizer:
+    """A small byte-level BPE tokenizer (like Qwen's), trained in a second on text with
+    multibyte characters, so tokens split UTF-8 characters the way real ones do."""
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "stops"]
+    words += ["héllo", "wörld", "日本語", "😀", "naïve", "café", "Ωmega", "ünïcödé", "東京"]
+    rng = random.Random(0)
+    lines = [" ".join(rng.choices(words, k=rng.randint(3, 12))) + "." for _ in range(400)]
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=TINY_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(lines, trainer)
+    return tokenizer
