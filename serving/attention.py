@@ -70,8 +70,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim], reading keys and values from the cache."""
-    out = torch.empty_like(q)
     nd = meta.num_decodes
+    out = torch.empty_like(q) if meta.prefills else None
     if nd:
         k = _gather(k_cache, meta.decode_block_tables)  # [B, kv, ctx, d]
         v = _gather(v_cache, meta.decode_block_tables)
@@ -79,6 +79,8 @@ def paged_attention(
         o = F.scaled_dot_product_attention(
             qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )
+        if out is None:  # a decode-only step, the common case
+            return o.squeeze(2)
         out[:nd] = o.squeeze(2)
     for chunk in meta.prefills:
         ctx = chunk.context_len

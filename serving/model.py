@@ -9,6 +9,8 @@ Weights are held fused (`qkv_proj`, `gate_up_proj`, experts as `[E, ...]`); chec
 maps them to and from the per-projection names of Hugging Face checkpoints.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,10 +27,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:  # one fused op: this runs 4 times per layer
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -44,22 +45,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k: [..., heads, head_dim]; positions: the leading dims."""
-        cos = self.cos[positions].unsqueeze(-2).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(-2).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rope":
+        """The cos/sin rows of a step's positions, looked up once for all layers."""
+        return Rope(
+            self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
+        )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+@dataclass
+class Rope:
+    cos: torch.Tensor  # [..., 1, head_dim]
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., heads, head_dim], rotate-half convention."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * self.cos + torch.cat((-x2, x1), dim=-1) * self.sin
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -72,14 +77,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = rotary
         self.k_cache: torch.Tensor | None = None  # set by the model runner
         self.v_cache: torch.Tensor | None = None
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: Rope,
         meta: AttentionMetadata | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -88,7 +92,7 @@ class Attention(nn.Module):
         q = self.q_norm(q.view(*lead, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim))
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = rope.apply(q), rope.apply(k)
         if meta is None:  # padded batch [B, L, heads, d], no cache
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
@@ -105,9 +109,9 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config)
         self.mlp = (
             SparseMoE(config)
             if config.layer_is_sparse(layer)
@@ -119,12 +123,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        positions: torch.Tensor,
+        rope: Rope,
         meta: AttentionMetadata | None,
         mask: torch.Tensor | None,
         router_logits: list[torch.Tensor] | None,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, meta, mask)
+        h = h + self.self_attn(self.input_layernorm(h), rope, meta, mask)
         x = self.post_attention_layernorm(h)
         if isinstance(self.mlp, SparseMoE):
             return h + self.mlp(x, router_logits)
@@ -135,25 +139,25 @@ class MTPLayer(nn.Module):
     """DeepSeek-V3 multi-token prediction: from the hidden state at t and the embedding of
     token t+1, predict token t+2 through one more decoder block and the shared head."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.enorm = RMSNorm(config.hidden_size, eps)
         self.hnorm = RMSNorm(config.hidden_size, eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.block = DecoderLayer(config, 0, rotary)
+        self.block = DecoderLayer(config, 0)
         self.norm = RMSNorm(config.hidden_size, eps)
 
     def forward(
         self,
         hidden: torch.Tensor,
         next_embeds: torch.Tensor,
-        positions: torch.Tensor,
+        rope: Rope,
         meta: AttentionMetadata | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         h = self.eh_proj(torch.cat([self.hnorm(hidden), self.enorm(next_embeds)], dim=-1))
-        return self.norm(self.block(h, positions, meta, mask, None))
+        return self.norm(self.block(h, rope, meta, mask, None))
 
 
 class CausalLM(nn.Module):
@@ -162,18 +166,19 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta
+        )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         n_mtp = config.mtp.num_layers if config.mtp else 0
-        self.mtp = nn.ModuleList(MTPLayer(config, rotary) for _ in range(n_mtp))
-        self.rotary = rotary
+        self.mtp = nn.ModuleList(MTPLayer(config) for _ in range(n_mtp))
 
     def forward(
         self,
@@ -191,8 +196,9 @@ class CausalLM(nn.Module):
         """
         mask = None if meta is not None else causal_mask(input_ids.shape[-1], padding_mask)
         h = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, positions, meta, mask, router_logits)
+            h = layer(h, rope, meta, mask, router_logits)
         return self.norm(h)
 
     @torch.no_grad()
@@ -222,10 +228,11 @@ class CausalLM(nn.Module):
         """
         mask = causal_mask(input_ids.shape[-1], padding_mask)
         out, h = [], hidden
+        rope = self.rotary(positions, hidden.dtype)
         for d, layer in enumerate(self.mtp, start=1):
             shifted = torch.zeros_like(input_ids)
             shifted[:, :-d] = input_ids[:, d:]
-            h = layer(h, self.embed_tokens(shifted), positions, None, mask)
+            h = layer(h, self.embed_tokens(shifted), rope, None, mask)
             out.append(self.compute_logits(h))
         return out
 

@@ -12,6 +12,7 @@ import torch
 from serving.attention import AttentionMetadata, PrefillChunk
 from serving.config import ModelConfig
 from serving.model import CausalLM
+from serving.moe import SparseMoE
 from serving.sampler import Sampler, SamplingRow
 from serving.sequence import Sequence, TokenLogprob
 
@@ -38,6 +39,8 @@ class ModelRunner:
         dtype = model.embed_tokens.weight.dtype
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         for layer in model.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.pack_experts()
             layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype)
         self.sampler = Sampler(cfg.vocab_size, eos_token_ids)
@@ -110,7 +113,9 @@ class ModelRunner:
         result = self.sampler(
             logits,
             [
-                SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
+                SamplingRow(
+                    s.params, s.prompt_token_ids, s.output_token_ids, s.generator, s.constraint
+                )
                 for s in rows
             ],
         )

@@ -47,24 +47,35 @@ def grouped_experts(
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) for x [T, H].
 
-    Tokens are sorted by expert so each used expert runs one matrix product over a
-    contiguous slice; unused experts cost nothing.
+    Token slots are sorted by expert. When few experts are in use (small decode batches),
+    each runs one product over its contiguous slice; otherwise all experts run as one
+    batched product over slices padded to the busiest expert, which reads every expert's
+    weights once in a single call instead of paying per-call overhead E times.
     """
-    _num_tokens, top_k = experts.shape
+    num_experts = gate_up.shape[0]
+    top_k = experts.shape[1]
     flat = experts.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts)
     token_of = order // top_k
-    xs = x[token_of]
-    out = torch.empty_like(xs)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            seg = slice(start, start + n)
-            out[seg] = F.linear(silu_and_mul(F.linear(xs[seg], gate_up[e])), down[e])
-            start += n
-    out *= weights.flatten()[order].unsqueeze(-1).to(out.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, out)
+    slot_weights = weights.flatten()[order].unsqueeze(-1).to(x.dtype)
+    if 3 * int(counts.count_nonzero()) <= num_experts:
+        xs = x[token_of]
+        out = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                seg = slice(start, start + n)
+                out[seg] = silu_and_mul(xs[seg] @ gate_up[e].t()) @ down[e].t()
+                start += n
+    else:
+        sorted_experts = flat[order]
+        rank = torch.arange(flat.numel()) - (counts.cumsum(0) - counts)[sorted_experts]
+        xs = x.new_zeros(num_experts, int(counts.max()), x.shape[-1])
+        xs[sorted_experts, rank] = x[token_of]
+        h = silu_and_mul(torch.bmm(xs, gate_up.transpose(1, 2)))
+        out = torch.bmm(h, down.transpose(1, 2))[sorted_experts, rank]
+    return torch.zeros_like(x).index_add_(0, token_of, out * slot_weights)
 
 
 class SparseMoE(nn.Module):
@@ -87,3 +98,14 @@ class SparseMoE(nn.Module):
             router_logits_out.append(logits)
         weights, experts = route(logits, self.top_k, self.norm_topk_prob)
         return grouped_experts(x, weights, experts, self.gate_up, self.down).view(shape)
+
+    def pack_experts(self) -> None:
+        """Store each expert's matrices transposed in memory, keeping their logical shapes.
+
+        `x @ W.t()` then reads W.t() as a plain row-major matrix, which CPU BLAS runs
+        2-3x faster at decode sizes than the transposed-operand product.
+        """
+        for name in ("gate_up", "down"):
+            w = getattr(self, name)
+            packed = w.detach().transpose(1, 2).contiguous().transpose(1, 2)
+            setattr(self, name, nn.Parameter(packed, requires_grad=w.requires_grad))

@@ -1,12 +1,16 @@
 """Our model against transformers on the same checkpoint (the reference implementation)."""
 
+import json
+
 import pytest
 import torch
+from safetensors import safe_open
 
 transformers = pytest.importorskip("transformers")
 
 from serving.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from serving.config import CheckpointError  # noqa: E402
+from serving.config import CheckpointError, ModelConfig  # noqa: E402
+from serving.model import CausalLM  # noqa: E402
 
 MOE = dict(
     vocab_size=211,
@@ -113,3 +117,29 @@ def test_refuses_unsupported_and_malformed(tmp_path):
         load_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="not a directory"):
         load_checkpoint(tmp_path / "missing")
+
+
+def test_mtp_tensors_round_trip_and_transformers_ignores_them(tmp_path):
+    hf = _hf_model("moe")
+    hf.save_pretrained(tmp_path / "a")
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    cfg["tierserve_mtp"] = {"num_layers": 2}
+    config = ModelConfig.from_dict(cfg)
+    model = CausalLM(config)
+    model.init_weights()
+    save_checkpoint(model, tmp_path / "b")
+    names = safe_open(tmp_path / "b" / "model.safetensors", "pt").keys()
+    assert "mtp.layers.1.eh_proj.weight" in names
+    assert "mtp.layers.0.block.mlp.experts.3.up_proj.weight" in names
+    back = load_checkpoint(tmp_path / "b")
+    for (name, a), b in zip(model.state_dict().items(), back.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    ids, mask = _batch()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        hidden = back(ids, positions, padding_mask=mask.bool())
+        mtp = back.mtp_logits(hidden, ids, positions, mask.bool())
+        ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
+        hf_logits = ref(input_ids=ids, attention_mask=mask).logits
+    assert [t.shape for t in mtp] == [(3, 17, MOE["vocab_size"])] * 2
+    _assert_close_on_real_tokens(back.compute_logits(hidden), hf_logits, mask)

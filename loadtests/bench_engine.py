@@ -1,0 +1,129 @@
+"""Our engine against transformers `generate`, side by side in one run.
+
+On the common benchmark shape (a random-weight Qwen3-MoE of 43.5M parameters, 10.5M active),
+greedy decoding, prompts of 64-256 tokens, 128 new tokens, 1/4/16 concurrent requests:
+transformers runs each group as one left-padded batch (its static batching), our engine as
+concurrent requests under continuous batching. Prints output tokens/s (all generated tokens
+over the group's wall time, prefill included) and mean time to first token, with ratios.
+
+    python loadtests/bench_engine.py [--concurrency 1 4 16] [--new-tokens 128]
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from serving.checkpoint import load_checkpoint
+from serving.engine import EngineConfig, LLMEngine
+from serving.sampling_params import SamplingParams
+from training.init_checkpoint import read_shape, stdlib_corpus
+from training.tokenizer import save_tokenizer, train_tokenizer
+
+SHAPE = Path(__file__).with_name("bench-moe-43m.json")
+
+
+def build_checkpoint(path: Path) -> Path:
+    """The benchmark card's recipe: transformers, seed 0, an 8192-token byte-level BPE."""
+    import transformers
+
+    if (path / "model.safetensors").exists():
+        return path
+    shape = read_shape(SHAPE)
+    shape.pop("architectures")
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**shape))
+    model.save_pretrained(path)
+    save_tokenizer(train_tokenizer(stdlib_corpus(), shape["vocab_size"]), path)
+    return path
+
+
+def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(64, 257, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+def run_ours(engine: LLMEngine, prompts: list[list[int]], new: int) -> tuple[float, float]:
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    start = time.monotonic()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{start}-{i}", p, params)
+    first: dict[str, float] = {}
+    generated = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            first.setdefault(out.request_id, out.first_token_time - start)
+            generated += sum(len(o.token_ids) for o in out.outputs)
+    wall = time.monotonic() - start
+    return generated / wall, statistics.mean(first.values())
+
+
+@torch.inference_mode()
+def run_transformers(model, prompts: list[list[int]], new: int) -> tuple[float, float]:
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+    start = time.monotonic()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    ttft = time.monotonic() - start
+    start = time.monotonic()
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+    wall = time.monotonic() - start
+    return (out.shape[1] - width) * len(prompts) / wall, ttft
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/tierserve-bench-moe-43m"))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    import transformers
+
+    path = build_checkpoint(args.checkpoint)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = LLMEngine(
+        load_checkpoint(path),
+        EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024),
+        eos_token_ids=[],
+    )
+    vocab = hf.config.vocab_size
+    run_ours(engine, make_prompts(2, vocab, seed=99), 8)  # warm up both
+    run_transformers(hf, make_prompts(2, vocab, seed=99), 8)
+    rows = []
+    for c in tqdm(args.concurrency, desc="concurrency"):
+        prompts = make_prompts(c, vocab, seed=c)
+        hf_tps, hf_ttft = run_transformers(hf, prompts, args.new_tokens)
+        our_tps, our_ttft = run_ours(engine, prompts, args.new_tokens)
+        rows.append(
+            dict(concurrency=c, hf_tps=hf_tps, our_tps=our_tps, hf_ttft=hf_ttft, our_ttft=our_ttft)
+        )
+    print(
+        f"\nbench shape {SHAPE.name}, greedy, prompts 64-256 tokens, {args.new_tokens} new tokens, fp32, 2 threads"
+    )
+    print(
+        "| concurrent | transformers tok/s | tierserve tok/s | ratio | TTFT transformers ms | TTFT tierserve ms |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['concurrency']} | {r['hf_tps']:.0f} | {r['our_tps']:.0f} | "
+            f"{r['our_tps'] / r['hf_tps']:.2f}x | {r['hf_ttft'] * 1e3:.0f} | {r['our_ttft'] * 1e3:.0f} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
