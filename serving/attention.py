@@ -56,10 +56,13 @@ def write_kv(
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[..., max_blocks] block ids -> [..., kv_heads, max_blocks * block_size, head_dim]."""
-    g = cache[block_tables]  # [..., max_blocks, block_size, kv, d]
-    g = g.flatten(-4, -3)  # [..., ctx, kv, d]
-    return g.transpose(-3, -2)
+    """[B, max_blocks] block ids -> keys or values [B, kv_heads, max_blocks * block_size, d].
+
+    index_select on the flattened table: several times faster on CPU than advanced indexing.
+    """
+    b = block_tables.shape[0]
+    g = cache.index_select(0, block_tables.flatten())  # [B * max_blocks, block_size, kv, d]
+    return g.view(b, -1, *cache.shape[2:]).transpose(1, 2)
 
 
 def paged_attention(
@@ -75,17 +78,19 @@ def paged_attention(
     if nd:
         k = _gather(k_cache, meta.decode_block_tables)  # [B, kv, ctx, d]
         v = _gather(v_cache, meta.decode_block_tables)
-        qd = q[:nd].unsqueeze(2)  # [B, heads, 1, d]
-        o = F.scaled_dot_product_attention(
-            qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
+        # One query per sequence: put each kv head's query group where a query length goes,
+        # so SDPA needs no GQA expansion of the keys.
+        kv_heads = k.shape[1]
+        qd = q[:nd].view(nd, kv_heads, -1, q.shape[-1])  # [B, kv, group, d]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
+        o = o.view(nd, -1, q.shape[-1])
         if out is None:  # a decode-only step, the common case
-            return o.squeeze(2)
-        out[:nd] = o.squeeze(2)
+            return o
+        out[:nd] = o
     for chunk in meta.prefills:
         ctx = chunk.context_len
-        k = _gather(k_cache, chunk.block_table)[:, :ctx]  # [kv, ctx, d]
-        v = _gather(v_cache, chunk.block_table)[:, :ctx]
+        k = _gather(k_cache, chunk.block_table[None])[0, :, :ctx]  # [kv, ctx, d]
+        v = _gather(v_cache, chunk.block_table[None])[0, :, :ctx]
         qc = q[chunk.start : chunk.start + chunk.length].transpose(0, 1)  # [heads, L, d]
         q_pos = torch.arange(ctx - chunk.length, ctx)
         mask = torch.arange(ctx)[None, :] <= q_pos[:, None]  # causal over prefix + chunk

@@ -47,9 +47,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rope":
         """The cos/sin rows of a step's positions, looked up once for all layers."""
-        return Rope(
-            self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
-        )
+        flat = positions.flatten()
+        cos = self.cos.index_select(0, flat).view(*positions.shape, 1, -1)
+        sin = self.sin.index_select(0, flat).view(*positions.shape, 1, -1)
+        return Rope(cos.to(dtype), sin.to(dtype))
 
 
 @dataclass

@@ -59,8 +59,8 @@ def grouped_experts(
     counts = torch.bincount(flat, minlength=num_experts)
     token_of = order // top_k
     slot_weights = weights.flatten()[order].unsqueeze(-1).to(x.dtype)
+    xs = x.index_select(0, token_of)  # index_select: much cheaper than x[idx] on CPU
     if 3 * int(counts.count_nonzero()) <= num_experts:
-        xs = x[token_of]
         out = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts.tolist()):
@@ -70,11 +70,12 @@ def grouped_experts(
                 start += n
     else:
         sorted_experts = flat[order]
+        capacity = int(counts.max())
         rank = torch.arange(flat.numel()) - (counts.cumsum(0) - counts)[sorted_experts]
-        xs = x.new_zeros(num_experts, int(counts.max()), x.shape[-1])
-        xs[sorted_experts, rank] = x[token_of]
-        h = silu_and_mul(torch.bmm(xs, gate_up.transpose(1, 2)))
-        out = torch.bmm(h, down.transpose(1, 2))[sorted_experts, rank]
+        slot = sorted_experts * capacity + rank  # row in the [E * capacity] padded layout
+        padded = x.new_zeros(num_experts * capacity, x.shape[-1]).index_copy_(0, slot, xs)
+        h = silu_and_mul(torch.bmm(padded.view(num_experts, capacity, -1), gate_up.transpose(1, 2)))
+        out = torch.bmm(h, down.transpose(1, 2)).flatten(0, 1).index_select(0, slot)
     return torch.zeros_like(x).index_add_(0, token_of, out * slot_weights)
 
 
