@@ -110,16 +110,19 @@ def main() -> None:
             dict(concurrency=c, hf_tps=hf_tps, our_tps=our_tps, hf_ttft=hf_ttft, our_ttft=our_ttft)
         )
     print(
-        f"\nbench shape {SHAPE.name}, greedy, prompts 64-256 tokens, {args.new_tokens} new tokens, fp32, 2 threads"
+        f"\n{SHAPE.name}: greedy, prompts of 64-256 tokens, {args.new_tokens} new tokens, "
+        f"fp32, {torch.get_num_threads()} threads"
     )
     print(
-        "| concurrent | transformers tok/s | tierserve tok/s | ratio | TTFT transformers ms | TTFT tierserve ms |"
+        "| concurrent | transformers tok/s | tierserve tok/s | ratio | TTFT transformers ms "
+        "| TTFT tierserve ms |"
     )
     print("|---|---|---|---|---|---|")
     for r in rows:
+        ratio = r["our_tps"] / r["hf_tps"]
         print(
-            f"| {r['concurrency']} | {r['hf_tps']:.0f} | {r['our_tps']:.0f} | "
-            f"{r['our_tps'] / r['hf_tps']:.2f}x | {r['hf_ttft'] * 1e3:.0f} | {r['our_ttft'] * 1e3:.0f} |"
+            f"| {r['concurrency']} | {r['hf_tps']:.0f} | {r['our_tps']:.0f} | {ratio:.2f}x "
+            f"| {r['hf_ttft'] * 1e3:.0f} | {r['our_ttft'] * 1e3:.0f} |"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

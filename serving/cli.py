@@ -1,0 +1,145 @@
+"""The `tierserve` command: one small function per subcommand, registered in `COMMANDS`.
+
+Expected failures (a missing or malformed checkpoint, a prompt that does not fit) print one
+line and exit with status 2; only bugs show a traceback.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from serving.config import CheckpointError
+from serving.engine import EngineConfig, EngineInputError, LLMEngine
+from serving.sampling_params import SamplingParams
+from serving.tokenizer import TokenizerError
+
+# Errors that mean "bad input", not "bug".
+USER_ERRORS = (CheckpointError, TokenizerError, EngineInputError, OSError, json.JSONDecodeError)
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+    )
+    if args.kv_cache_memory is not None:
+        config.kv_cache_bytes = args.kv_cache_memory << 20
+    return config
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    parser.add_argument("--model", required=True, type=Path, help="checkpoint directory")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        metavar="MIB",
+        help=f"KV cache budget in MiB (default {defaults.kv_cache_bytes >> 20})",
+    )
+    parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+
+
+def run_engine(args: argparse.Namespace) -> None:
+    from serving.server import serve  # FastAPI and uvicorn only when serving
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        engine_config=_engine_config(args),
+        model_name=args.served_model_name,
+    )
+
+
+def add_engine(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("engine", help="serve one checkpoint with the OpenAI API")
+    _add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TIERSERVE_API_KEY"),
+        help="require this bearer key (default: $TIERSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--served-model-name", help="the model name clients use (default: the directory's)"
+    )
+    parser.set_defaults(run=run_engine)
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    engine = LLMEngine.from_checkpoint(args.model, _engine_config(args))
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None  # from_checkpoint always loads one
+    prompt = args.prompt
+    if args.chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    [[output]] = engine.generate([tokenizer.encode(prompt)], params)
+    print(output.text)
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("generate", help="complete one prompt offline and print it")
+    _add_engine_args(parser)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--chat", action="store_true", help="render the chat template first")
+    parser.add_argument("prompt")
+    parser.set_defaults(run=run_generate)
+
+
+def run_init_checkpoint(args: argparse.Namespace) -> None:
+    from training.init_checkpoint import init_checkpoint, read_shape
+
+    shape = read_shape(args.shape) if args.shape else None
+    print(init_checkpoint(args.out, shape, seed=args.seed))
+
+
+def add_init_checkpoint(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "init-checkpoint", help="write a random-weight checkpoint with a trained tokenizer"
+    )
+    parser.add_argument("out", type=Path)
+    parser.add_argument(
+        "--shape", type=Path, help="a config.json, or a card with the config under 'config'"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(run=run_init_checkpoint)
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_engine,
+    add_generate,
+    add_init_checkpoint,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierserve", description="Tiered LLM inference serving over one sparse MoE family."
+    )
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except USER_ERRORS as e:
+        print(f"tierserve: error: {e}", file=sys.stderr)
+        sys.exit(2)
