@@ -9,6 +9,7 @@ import torch
 from serving.block_manager import BlockManager
 from serving.checkpoint import load_checkpoint
 from serving.detokenizer import IncrementalDetokenizer
+from serving.json_constraint import JsonObjectConstraint, json_vocabulary
 from serving.model import CausalLM
 from serving.model_runner import ModelRunner, kv_bytes_per_block
 from serving.sampling_params import SamplingParams
@@ -131,6 +132,8 @@ class LLMEngine:
             )
         if params.max_tokens < 1 or params.n < 1:
             raise EngineInputError("max_tokens and n must be at least 1")
+        if params.json_object and (self.tokenizer is None or not self.eos_token_ids):
+            raise EngineInputError("json_object needs a tokenizer with an EOS token")
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -142,6 +145,9 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(request_id, list(prompt_token_ids), params, index=i)
             seq.prefill_leader = seqs[0] if seqs else None
+            if params.json_object:
+                vocab = json_vocabulary(self.tokenizer.raw)
+                seq.constraint = JsonObjectConstraint(vocab, self.eos_token_ids)
             seqs.append(seq)
         detoks = [
             IncrementalDetokenizer(self.tokenizer.raw, prompt_token_ids, params)
@@ -203,7 +209,11 @@ class LLMEngine:
         p = seq.params
         delta = SequenceOutput(seq.index, token_ids=[token], logprobs=[logprob] if logprob else [])
         may_stop = seq.num_output_tokens >= p.min_tokens
-        if may_stop and token in self.eos_token_ids and not p.ignore_eos:
+        if seq.constraint is not None:
+            seq.constraint.advance(token)
+        # A closed JSON object allows only EOS, which ends it despite ignore_eos or min_tokens.
+        json_done = seq.constraint is not None and seq.constraint.complete
+        if token in self.eos_token_ids and (json_done or (may_stop and not p.ignore_eos)):
             delta.finish_reason = "stop"
         elif may_stop and token in p.stop_token_ids:
             delta.finish_reason, delta.stop_reason = "stop", token

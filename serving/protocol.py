@@ -175,7 +175,10 @@ class ChatCompletionRequest(SamplingRequest):
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        json_object = (
+            self.response_format is not None and self.response_format.type == "json_object"
+        )
+        return self._sampling_params(max_tokens, logprobs, json_object=json_object)
 
 
 class CompletionRequest(SamplingRequest):

@@ -5,11 +5,14 @@ from dataclasses import dataclass
 
 import torch
 
+from serving.json_constraint import JsonObjectConstraint
 from serving.sampling_params import SamplingParams
 
 # Greedy rows in a mixed batch go through the sampling ops with filters off; their
 # sampled token is then replaced by the argmax.
 _NEUTRAL = SamplingParams()
+# Tokens a constrained row tries, best first, before it masks the whole vocabulary.
+_REJECTION_TRIES = 8
 
 
 @dataclass
@@ -20,6 +23,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far, before this step
     generator: torch.Generator | None = None  # set when params.seed is not None
+    constraint: JsonObjectConstraint | None = None  # the tokens it may take (json_object)
 
 
 @dataclass
@@ -44,6 +48,10 @@ class Sampler:
     generator (on the logits' device), so its tokens do not depend on what else is in the
     batch. When every sampled row has a top_k, sampling runs on the top max(top_k) columns
     only: a CPU full-vocabulary sort costs ~40x a top-k.
+
+    A row with a constraint draws from its distribution restricted to the tokens the
+    constraint allows, as if they had been masked before sampling (vLLM's structured
+    outputs): see `_constrained_draw`. Rows without one cost an attribute check.
     """
 
     def __init__(self, vocab_size: int, eos_token_ids: list[int]) -> None:
@@ -54,13 +62,24 @@ class Sampler:
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]
         n = len(rows)
+        constrained = [i for i, row in enumerate(rows) if row.constraint is not None]
         if all(_plain_greedy(row) for row in rows):  # the hot path: one argmax, one sync
-            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * n, [None] * n)
+            token_ids = logits.argmax(dim=-1).tolist()
+            rejected = [i for i in constrained if not rows[i].constraint.allows(token_ids[i])]
+            if rejected:
+                raw = logits[rejected].float()
+                _apply_constraints(token_ids, raw, raw, rows, rejected)
+            return SampleResult(token_ids, [None] * n, [None] * n)
         raw = logits.float()
         processed = raw.clone()
         apply_penalties(processed, rows)
         self._apply_min_tokens(processed, rows)
-        return _result(raw, _sample(processed, rows), rows)
+        if not constrained:
+            return _result(raw, _sample(processed, rows), rows)
+        kept = processed[constrained]  # a copy: _sample works in place
+        token_ids = _sample(processed, rows).tolist()
+        _apply_constraints(token_ids, kept, raw[constrained], rows, constrained)
+        return _result(raw, torch.tensor(token_ids, device=raw.device), rows)
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         """Masks EOS and stop_token_ids of rows that have not produced min_tokens yet."""
@@ -144,6 +163,70 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         logits = _top_k_top_p(logits, params, use_k, use_p)
     sampled = _race(logits, rows, greedy, candidates, vocab)
     return torch.where(torch.tensor(greedy, device=logits.device), greedy_ids, sampled)
+
+
+def _apply_constraints(
+    token_ids: list[int],
+    processed: torch.Tensor,
+    raw: torch.Tensor,
+    rows: list[SamplingRow],
+    constrained: list[int],
+) -> None:
+    """Replaces, in place, the drawn tokens of constrained rows their constraint rejects.
+
+    `raw` and `processed` hold the constrained rows' logits before and after penalties and
+    min_tokens (before temperature), in the order of `constrained`.
+    """
+    for j, i in enumerate(constrained):
+        row = rows[i]
+        if not (_rejection_exact(row.params) and row.constraint.allows(token_ids[i])):
+            token_ids[i] = _constrained_draw(processed[j], raw[j], row)
+
+
+def _rejection_exact(params: SamplingParams) -> bool:
+    """Whether rejecting disallowed draws samples exactly what masking them first would:
+    true for greedy rows and plain temperature sampling. top_k, top_p and min_p would pick
+    their tokens from the whole distribution where vLLM filters the masked one, so rows that
+    use them are masked at once.
+    """
+    return params.greedy or (params.top_k <= 0 and params.top_p >= 1 and params.min_p <= 0)
+
+
+def _constrained_draw(processed: torch.Tensor, raw: torch.Tensor, row: SamplingRow) -> int:
+    """A token drawn from the row's distribution restricted to what its constraint allows.
+
+    Where rejection is exact, the row races again (fresh noise; a seeded row draws it from
+    its generator) and its best-scoring allowed token wins: the argmax over a subset of a
+    race like `_race`'s is a draw from the distribution restricted to that subset, so a
+    rejected first draw followed by this is exact rejection sampling. The _REJECTION_TRIES
+    best scores are checked one by one (greedy: the next best logits); a model that writes
+    JSON rarely needs more. Only then, or for rows with filters, does one walk of the
+    vocabulary find every allowed token. If min_tokens masked all of them (EOS, once the
+    object has closed) the constraint wins: they are drawn from the raw logits.
+    """
+    constraint = row.constraint
+    exact = _rejection_exact(row.params)
+    if exact:
+        scores = _race_scores(processed, row)
+        for token in scores.topk(_REJECTION_TRIES).indices.tolist():
+            if constraint.allows(token):
+                return token
+    allowed = constraint.allowed_mask(processed.shape[0]).to(processed.device)
+    masked = processed.masked_fill(~allowed, -math.inf)
+    if not masked.isfinite().any():
+        masked, exact = raw.masked_fill(~allowed, -math.inf), False
+    if exact:
+        return int(scores.masked_fill(~allowed, -math.inf).argmax())
+    return int(_sample(masked.unsqueeze(0), [row])[0])
+
+
+def _race_scores(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """One row's scores in a race like `_race`'s, logits / T - log q: its draw is their
+    argmax. Greedy rows race on the logits alone."""
+    if row.params.greedy:
+        return logits
+    u = torch.empty_like(logits).uniform_(generator=row.generator)
+    return logits / row.params.temperature - u.log_().neg_().log_()
 
 
 def _race(

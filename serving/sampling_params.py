@@ -9,6 +9,7 @@ class SamplingParams:
 
     `top_k <= 0` and `top_p == 1` disable those filters; `temperature == 0` means greedy.
     `logprobs=None` returns no logprobs, `0` only the chosen token's, `k` also the top k.
+    `json_object` constrains the output to a JSON object (`response_format` json_object).
     """
 
     max_tokens: int = 16
@@ -29,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     skip_special_tokens: bool = True
+    json_object: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,7 @@ from enum import Enum, auto
 
 import torch
 
+from serving.json_constraint import JsonObjectConstraint
 from serving.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -55,6 +56,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    constraint: JsonObjectConstraint | None = None  # what it may sample next (json_object)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -1,0 +1,380 @@
+"""`response_format: {"type": "json_object"}` as constrained decoding, as vLLM's structured
+outputs do it: a JSON validator decides which tokens may come next, the sampler draws only those.
+
+The validator runs on bytes, not text: a byte-level BPE token may end inside a UTF-8
+character, so only bytes compose exactly token by token. Inside strings it checks UTF-8
+itself (RFC 3629: no overlongs, no surrogates), so the output's bytes always decode, and the
+detokenized text is exactly the JSON the validator accepted.
+
+States are immutable tuples and `_step` is a pure function, so testing a candidate token
+copies nothing and a state is its own cache key.
+"""
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import tokenizers
+import torch
+from tokenizers import decoders
+
+# Whitespace allowed in a row outside strings. A model that has nothing left to say inside
+# an open object can emit spaces forever (every one is valid JSON); the bound forces it on.
+# 32 leaves room for a newline plus 4-space indentation 7 levels deep.
+MAX_WHITESPACE = 32
+
+# Modes, the first field of a state.
+(
+    _START,  # before the top-level object: whitespace or "{"
+    _VALUE,  # after ":" or an array's ",": a value
+    _ARRAY_FIRST,  # after "[": a value or "]"
+    _OBJECT_FIRST,  # after "{": a key or "}"
+    _KEY,  # after an object's ",": a key
+    _COLON,  # after a key
+    _AFTER,  # after a value: "," or the closing bracket
+    _STRING,
+    _ESCAPE,  # after a backslash
+    _HEX,  # in \uXXXX; aux = hex digits left
+    _UTF8,  # inside a multibyte character; aux = (bytes left, lowest, highest next byte)
+    _MINUS,  # numbers, per the JSON grammar: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?
+    _ZERO,
+    _INT,
+    _DOT,
+    _FRAC,
+    _EXP_MARK,
+    _EXP_SIGN,
+    _EXP,
+    _LITERAL,  # in true/false/null; aux = the bytes still expected
+    _DONE,  # the top-level object has closed
+) = range(21)
+
+# A state: (mode, stack, whitespace run, in a key string, aux). The stack is a str of "{"
+# and "[", innermost last.
+State = tuple[int, str, int, bool, Any]
+_INITIAL: State = (_START, "", 0, False, 0)
+
+_WHITESPACE = frozenset(b" \t\n\r")
+_DIGITS = frozenset(b"0123456789")
+_HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
+_ESCAPES = frozenset(b'"\\/bfnrtu')
+_NUMBER_END = {_ZERO, _INT, _FRAC, _EXP}  # where a number may end
+_DIGIT_NEXT = {_INT: _INT, _DOT: _FRAC, _FRAC: _FRAC, _EXP_MARK: _EXP, _EXP_SIGN: _EXP, _EXP: _EXP}
+_LITERALS = {ord("t"): b"rue", ord("f"): b"alse", ord("n"): b"ull"}
+_CLOSE = {"{": ord("}"), "[": ord("]")}
+
+
+def _utf8_lead(c: int) -> tuple[int, int, int] | None:
+    """(continuation bytes, lowest, highest first continuation byte) after lead byte c."""
+    if 0xC2 <= c <= 0xDF:
+        return 1, 0x80, 0xBF
+    if 0xE0 <= c <= 0xEF:
+        return 2, 0xA0 if c == 0xE0 else 0x80, 0x9F if c == 0xED else 0xBF
+    if 0xF0 <= c <= 0xF4:
+        return 3, 0x90 if c == 0xF0 else 0x80, 0x8F if c == 0xF4 else 0xBF
+    return None
+
+
+def _value(stack: str, c: int) -> State | None:
+    """The state after c opens a value, or None if it cannot."""
+    if c == 0x22:  # "
+        return _STRING, stack, 0, False, 0
+    if c == 0x7B:  # {
+        return _OBJECT_FIRST, stack + "{", 0, False, 0
+    if c == 0x5B:  # [
+        return _ARRAY_FIRST, stack + "[", 0, False, 0
+    if c == 0x2D:  # -
+        return _MINUS, stack, 0, False, 0
+    if c == 0x30:  # 0
+        return _ZERO, stack, 0, False, 0
+    if c in _DIGITS:
+        return _INT, stack, 0, False, 0
+    if c in _LITERALS:
+        return _LITERAL, stack, 0, False, _LITERALS[c]
+    return None
+
+
+def _after(stack: str, c: int) -> State | None:
+    """The state after c follows a value, or None."""
+    if c == 0x2C:  # ,
+        return (_KEY if stack[-1] == "{" else _VALUE), stack, 0, False, 0
+    if c == _CLOSE[stack[-1]]:
+        return (_AFTER if len(stack) > 1 else _DONE), stack[:-1], 0, False, 0
+    return None
+
+
+def _step(state: State, c: int, max_whitespace: int) -> State | None:
+    """The state after byte c, or None if no JSON object starts with the bytes so far + c."""
+    mode, stack, ws, key, aux = state
+    if mode == _STRING:
+        if c == 0x22:
+            return (_COLON if key else _AFTER), stack, 0, False, 0
+        if c == 0x5C:  # backslash
+            return _ESCAPE, stack, 0, key, 0
+        if c < 0x20:  # control characters must be escaped
+            return None
+        if c < 0x80:
+            return state
+        lead = _utf8_lead(c)
+        return None if lead is None else (_UTF8, stack, 0, key, lead)
+    if mode == _UTF8:
+        left, lo, hi = aux
+        if not lo <= c <= hi:
+            return None
+        if left > 1:
+            return _UTF8, stack, 0, key, (left - 1, 0x80, 0xBF)
+        return _STRING, stack, 0, key, 0
+    if mode == _ESCAPE:
+        if c not in _ESCAPES:
+            return None
+        return (_HEX, stack, 0, key, 4) if c == 0x75 else (_STRING, stack, 0, key, 0)
+    if mode == _HEX:
+        if c not in _HEX_DIGITS:
+            return None
+        return (_HEX, stack, 0, key, aux - 1) if aux > 1 else (_STRING, stack, 0, key, 0)
+    if _MINUS <= mode <= _EXP:
+        nxt = _number(mode, c)
+        if nxt is not None:
+            return nxt, stack, 0, False, 0
+        if mode not in _NUMBER_END:
+            return None
+        mode = _AFTER  # the number ended: c must follow a value
+    if mode == _LITERAL:
+        if c != aux[0]:
+            return None
+        if len(aux) > 1:
+            return _LITERAL, stack, 0, False, aux[1:]
+        return _AFTER, stack, 0, False, 0
+    if mode == _DONE:
+        return None
+    if c in _WHITESPACE:
+        return None if ws >= max_whitespace else (mode, stack, ws + 1, False, 0)
+    if mode == _AFTER:
+        return _after(stack, c)
+    if mode == _COLON:
+        return (_VALUE, stack, 0, False, 0) if c == 0x3A else None
+    if mode == _START:
+        return (_OBJECT_FIRST, "{", 0, False, 0) if c == 0x7B else None
+    if c == 0x22 and mode in (_OBJECT_FIRST, _KEY):
+        return _STRING, stack, 0, True, 0
+    if mode == _OBJECT_FIRST and c == 0x7D:
+        return _after(stack, c)
+    if mode == _ARRAY_FIRST and c == 0x5D:
+        return _after(stack, c)
+    if mode in (_VALUE, _ARRAY_FIRST):
+        return _value(stack, c)
+    return None
+
+
+def _number(mode: int, c: int) -> int | None:
+    """The number mode after c, or None if c does not continue the number."""
+    if c in _DIGITS:
+        if mode == _MINUS:
+            return _ZERO if c == 0x30 else _INT
+        return None if mode == _ZERO else _DIGIT_NEXT[mode]  # no leading zeros
+    if c == 0x2E:  # .
+        return _DOT if mode in (_ZERO, _INT) else None
+    if c in (0x45, 0x65):  # E e
+        return _EXP_MARK if mode in (_ZERO, _INT, _FRAC) else None
+    if c in (0x2B, 0x2D):  # + -
+        return _EXP_SIGN if mode == _EXP_MARK else None
+    return None
+
+
+def _feed(state: State | None, data: bytes, max_whitespace: int) -> State | None:
+    for c in data:
+        if state is None:
+            return None
+        state = _step(state, c, max_whitespace)
+    return state
+
+
+class JsonValidator:
+    """An incremental validator for UTF-8 JSON text whose top-level value is an object.
+
+    A pushdown automaton: it accepts exactly the byte strings that are prefixes of such a
+    document, with at most `max_whitespace` whitespace bytes in a row outside strings and
+    nothing after the closing brace. `complete` once the object has closed.
+    """
+
+    def __init__(self, max_whitespace: int = MAX_WHITESPACE) -> None:
+        self.max_whitespace = max_whitespace
+        self.state: State = _INITIAL
+
+    @property
+    def complete(self) -> bool:
+        return self.state[0] == _DONE
+
+    def accepts(self, data: bytes) -> bool:
+        """Whether `data` may follow what was advanced so far; changes nothing."""
+        return _feed(self.state, data, self.max_whitespace) is not None
+
+    def advance(self, data: bytes) -> None:
+        """Appends `data`; raises ValueError (and changes nothing) if it is not accepted."""
+        state = _feed(self.state, data, self.max_whitespace)
+        if state is None:
+            raise ValueError(f"{data!r} cannot continue the JSON object")
+        self.state = state
+
+
+class _Node:
+    __slots__ = ("children", "ids")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.ids: list[int] = []  # tokens whose bytes end here
+
+    def insert(self, data: bytes, token_id: int) -> None:
+        node = self
+        for c in data:
+            child = node.children.get(c)
+            if child is None:
+                child = node.children[c] = _Node()
+            node = child
+        node.ids.append(token_id)
+
+
+class Vocabulary:
+    """A tokenizer's tokens as the bytes each appends to the output, in byte tries.
+
+    None marks a token that never appears in JSON output (special tokens, tokens of no
+    bytes). The tries let `allowed` test the whole vocabulary in one walk that drops every
+    token behind a rejected prefix. Inside a string most tokens are plain text, allowed in
+    any string whatever surrounds it: they are a precomputed mask there, and only the
+    others are walked. Built once per tokenizer (`json_vocabulary`), shared by every
+    constrained sequence, and so is its cache of allowed sets, keyed by state: a model
+    writing JSON revisits few states, so the exhaustive set is mostly a lookup.
+    """
+
+    cache_size = 256  # allowed sets kept: each costs one byte per token
+
+    def __init__(self, token_bytes: list[bytes | None]) -> None:
+        self.token_bytes = token_bytes
+        self.root = _Node()  # every token
+        self.not_plain = _Node()  # every token that is not plain string content
+        plain = []
+        in_string: State = (_STRING, "{", 0, False, 0)
+        for i, data in enumerate(token_bytes):
+            if not data:
+                continue
+            self.root.insert(data, i)
+            # No quote: it cannot leave the string, so the stack and key are irrelevant.
+            if b'"' not in data and _feed(in_string, data, 0) == in_string:
+                plain.append(i)
+            else:
+                self.not_plain.insert(data, i)
+        self.plain = torch.zeros(len(token_bytes), dtype=torch.bool)
+        self.plain[plain] = True
+        self._allowed: dict[tuple[int, State], torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.token_bytes)
+
+    def allowed(self, validator: JsonValidator) -> torch.Tensor:
+        """Bool [len(self)]: the tokens `validator` accepts next. Shared: do not modify."""
+        key = (validator.max_whitespace, validator.state)
+        mask = self._allowed.get(key)
+        if mask is None:
+            if validator.state[0] == _STRING:
+                mask, root = self.plain.clone(), self.not_plain
+            else:
+                mask, root = torch.zeros(len(self), dtype=torch.bool), self.root
+            ids = self._walk(root, validator.state, validator.max_whitespace)
+            mask[torch.tensor(ids, dtype=torch.long)] = True
+            if len(self._allowed) >= self.cache_size:
+                del self._allowed[next(iter(self._allowed))]  # the oldest
+            self._allowed[key] = mask
+        return mask
+
+    @staticmethod
+    def _walk(root: _Node, state: State, max_whitespace: int) -> list[int]:
+        ids: list[int] = []
+        todo = [(root, state)]
+        while todo:
+            node, state = todo.pop()
+            ids += node.ids
+            for c, child in node.children.items():
+                nxt = _step(state, c, max_whitespace)
+                if nxt is not None:
+                    todo.append((child, nxt))
+        return ids
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode: the byte each ByteLevel symbol stands for."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
+
+
+@functools.lru_cache(maxsize=8)
+def json_vocabulary(tokenizer: tokenizers.Tokenizer) -> Vocabulary:
+    """The Vocabulary of a byte-level BPE tokenizer (Qwen's, ours), cached per tokenizer.
+
+    Bytes are exactly what the ByteLevel decoder makes of a token: its symbols mapped back
+    to bytes, or its UTF-8 if any symbol is not a byte symbol (an added token such as
+    `<think>`, whose ASCII symbols map to themselves anyway). Special tokens get None.
+    Other decoders (SentencePiece's Metaspace) change a token's text with its position, so
+    they are refused rather than risking invalid output.
+    """
+    if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+        raise ValueError("json_object needs a byte-level BPE tokenizer")
+    table = _byte_decoder()
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    token_bytes: list[bytes | None] = []
+    for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        token = tokenizer.id_to_token(i)
+        if token is None or i in special:
+            token_bytes.append(None)
+        elif all(ch in table for ch in token):
+            token_bytes.append(bytes(table[ch] for ch in token))
+        else:
+            token_bytes.append(token.encode())
+    return Vocabulary(token_bytes)
+
+
+class JsonObjectConstraint:
+    """Which tokens one sequence may sample next so that its output is a JSON object.
+
+    Before the object closes: the tokens whose bytes the validator accepts (never EOS or
+    special tokens). Once it has closed: only EOS, which the engine lets end the sequence
+    even with ignore_eos. Whitespace outside strings is capped at MAX_WHITESPACE bytes in a
+    row; inside strings and numbers only max_tokens bounds the output, and output cut by
+    max_tokens (or a stop string) is a valid prefix, not a whole object.
+    """
+
+    def __init__(self, vocab: Vocabulary, eos_token_ids: Iterable[int]) -> None:
+        self.vocab = vocab
+        self.eos_token_ids = frozenset(eos_token_ids)
+        if not self.eos_token_ids:
+            raise ValueError("json_object needs an EOS token")
+        self.validator = JsonValidator()
+
+    @property
+    def complete(self) -> bool:
+        return self.validator.complete
+
+    def allows(self, token_id: int) -> bool:
+        if token_id in self.eos_token_ids:
+            return self.complete
+        data = self.vocab.token_bytes[token_id] if token_id < len(self.vocab) else None
+        return data is not None and self.validator.accepts(data)
+
+    def advance(self, token_id: int) -> None:
+        """Records the sampled token; raises ValueError if it was not allowed."""
+        if not self.allows(token_id):
+            raise ValueError(f"token {token_id} cannot continue the JSON object")
+        if token_id not in self.eos_token_ids:
+            self.validator.advance(self.vocab.token_bytes[token_id])
+
+    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
+        """Bool [vocab_size]: every token `allows`, found in one walk of the vocabulary."""
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        if self.complete:
+            mask[[t for t in self.eos_token_ids if t < vocab_size]] = True
+            return mask
+        allowed = self.vocab.allowed(self.validator)
+        n = min(vocab_size, len(allowed))
+        mask[:n] = allowed[:n]
+        return mask
