@@ -47,11 +47,19 @@ def grouped_experts(
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) for x [T, H].
 
-    Token slots are sorted by expert. When few experts are in use (small decode batches),
-    each runs one product over its contiguous slice; otherwise all experts run as one
-    batched product over slices padded to the busiest expert, which reads every expert's
-    weights once in a single call instead of paying per-call overhead E times.
+    A single token just runs its k experts. Otherwise token slots are sorted by expert and:
+    - in small batches touching most experts (decoding many sequences), all experts run as
+      one batched product over slices padded to the busiest expert: one call that reads
+      every expert's weights once instead of E small calls;
+    - otherwise (prefill, or few experts in use) each used expert runs one product over its
+      exact, contiguous slice, wasting nothing on padding.
     """
+    if x.shape[0] == 1:
+        y = None
+        for e, w in zip(experts[0].tolist(), weights[0].tolist(), strict=True):
+            o = silu_and_mul(x @ gate_up[e].t()) @ down[e].t() * w
+            y = o if y is None else y + o
+        return y
     num_experts = gate_up.shape[0]
     top_k = experts.shape[1]
     flat = experts.flatten()
@@ -60,7 +68,15 @@ def grouped_experts(
     token_of = order // top_k
     slot_weights = weights.flatten()[order].unsqueeze(-1).to(x.dtype)
     xs = x.index_select(0, token_of)  # index_select: much cheaper than x[idx] on CPU
-    if 3 * int(counts.count_nonzero()) <= num_experts:
+    capacity = int(counts.max())
+    if capacity <= PADDED_CAPACITY and 4 * int(counts.count_nonzero()) >= 3 * num_experts:
+        sorted_experts = flat[order]
+        rank = torch.arange(flat.numel()) - (counts.cumsum(0) - counts)[sorted_experts]
+        slot = sorted_experts * capacity + rank  # row in the [E * capacity] padded layout
+        padded = x.new_zeros(num_experts * capacity, x.shape[-1]).index_copy_(0, slot, xs)
+        h = silu_and_mul(torch.bmm(padded.view(num_experts, capacity, -1), gate_up.transpose(1, 2)))
+        out = torch.bmm(h, down.transpose(1, 2)).flatten(0, 1).index_select(0, slot)
+    else:
         out = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts.tolist()):
@@ -68,15 +84,11 @@ def grouped_experts(
                 seg = slice(start, start + n)
                 out[seg] = silu_and_mul(xs[seg] @ gate_up[e].t()) @ down[e].t()
                 start += n
-    else:
-        sorted_experts = flat[order]
-        capacity = int(counts.max())
-        rank = torch.arange(flat.numel()) - (counts.cumsum(0) - counts)[sorted_experts]
-        slot = sorted_experts * capacity + rank  # row in the [E * capacity] padded layout
-        padded = x.new_zeros(num_experts * capacity, x.shape[-1]).index_copy_(0, slot, xs)
-        h = silu_and_mul(torch.bmm(padded.view(num_experts, capacity, -1), gate_up.transpose(1, 2)))
-        out = torch.bmm(h, down.transpose(1, 2)).flatten(0, 1).index_select(0, slot)
     return torch.zeros_like(x).index_add_(0, token_of, out * slot_weights)
+
+
+# Above this many tokens per expert, padding costs more than the per-expert calls it saves.
+PADDED_CAPACITY = 16
 
 
 class SparseMoE(nn.Module):
