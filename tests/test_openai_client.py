@@ -272,3 +272,48 @@ async def test_tool_calls_end_to_end(scripted_client: openai.AsyncOpenAI) -> Non
     assert plain.choices[0].finish_reason == "stop"
     assert plain.choices[0].message.tool_calls is None
     assert "<tool_call>" in plain.choices[0].message.content
+
+
+async def test_many_concurrent_clients_some_leaving(
+    async_client: openai.AsyncOpenAI, engine: AsyncEngine
+) -> None:
+    """24 clients at once (streams, n = 2, early hang-ups): every answer is whole, and the
+    engine ends with no request and an empty KV cache."""
+
+    async def one(i: int) -> int:
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": f"count to {i}"}])
+        if i % 3 == 0:  # a client that reads two chunks and hangs up
+            stream = await async_client.chat.completions.create(**kw, max_tokens=64, stream=True)
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 2:
+                    break
+            await stream.close()
+            return -1
+        if i % 3 == 1:
+            stream = await async_client.chat.completions.create(
+                **kw,
+                max_tokens=12,
+                stream=True,
+                stream_options={"include_usage": True},
+                temperature=1.0,
+                seed=i,
+                extra_body={"ignore_eos": True},
+            )
+            usage = [c.usage async for c in stream if c.usage is not None]
+            return usage[0].completion_tokens
+        done = await async_client.chat.completions.create(
+            **kw, max_tokens=10, n=2, temperature=0.8, extra_body={"ignore_eos": True}
+        )
+        assert [c.finish_reason for c in done.choices] == ["length", "length"]
+        return done.usage.completion_tokens
+
+    results = await asyncio.gather(*(one(i) for i in range(24)))
+    assert [r for i, r in enumerate(results) if i % 3 == 1] == [12] * 8
+    assert [r for i, r in enumerate(results) if i % 3 == 2] == [20] * 8
+    deadline = time.monotonic() + 10
+    blocks = engine.engine.blocks
+    while engine.engine.has_unfinished() or blocks.num_free_blocks != blocks.num_blocks:
+        assert time.monotonic() < deadline, "aborted requests were not cleaned up"
+        await asyncio.sleep(0.05)
