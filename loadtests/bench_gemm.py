@@ -1,0 +1,44 @@
+"""How fast this machine's BLAS reads weights in the skinny products of decoding.
+
+A decode step multiplies a few activation rows by large weight matrices, so it is bound by
+how fast the weights stream from memory. This prints, for the expert matrices of the
+benchmark shape (16 experts, gate_up 256 x 768 each, all layers' worth so nothing stays in
+cache), the effective weight bandwidth of torch's matrix products at 1, 4 and 16 rows next
+to a plain streaming read of the same bytes, which is the ceiling.
+
+    python loadtests/bench_gemm.py
+"""
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+EXPERTS, HIDDEN, INTER, LAYERS = 16, 256, 384, 8
+
+
+def best_seconds(fn, repeats: int = 8) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    weights = [torch.randn(EXPERTS * 2 * INTER, HIDDEN) for _ in range(LAYERS)]
+    gbytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
+    read = best_seconds(lambda: [w.sum() for w in weights])
+    print(f"{gbytes * 1e3:.0f} MB of fp32 weights, {torch.get_num_threads()} threads")
+    print(f"streaming read (sum): {gbytes / read:.1f} GB/s")
+    for rows in (1, 4, 16):
+        x = torch.randn(rows, HIDDEN)
+        t = best_seconds(lambda x=x: [F.linear(x, w) for w in weights])
+        print(f"F.linear, {rows:2d} rows: {gbytes / t:.1f} GB/s ({read / t:.0%} of the read)")
+
+
+if __name__ == "__main__":
+    main()
