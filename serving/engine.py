@@ -16,6 +16,7 @@ from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler
 from serving.sequence import Sequence, TokenLogprob
 from serving.tokenizer import Tokenizer
+from serving.tool_constraint import ToolCallConstraint
 
 
 class EngineInputError(ValueError):
@@ -132,8 +133,13 @@ class LLMEngine:
             )
         if params.max_tokens < 1 or params.n < 1:
             raise EngineInputError("max_tokens and n must be at least 1")
-        if params.json_object and (self.tokenizer is None or not self.eos_token_ids):
-            raise EngineInputError("json_object needs a tokenizer with an EOS token")
+        if params.json_object and params.tool_names is not None:
+            raise EngineInputError("json_object and a forced tool call cannot be combined")
+        if params.tool_names is not None and not params.tool_names:
+            raise EngineInputError("a forced tool call needs at least one function name")
+        constrained = params.json_object or params.tool_names is not None
+        if constrained and (self.tokenizer is None or not self.eos_token_ids):
+            raise EngineInputError("constrained decoding needs a tokenizer with an EOS token")
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -148,6 +154,9 @@ class LLMEngine:
             if params.json_object:
                 vocab = json_vocabulary(self.tokenizer.raw)
                 seq.constraint = JsonObjectConstraint(vocab, self.eos_token_ids)
+            elif params.tool_names is not None:
+                vocab = json_vocabulary(self.tokenizer.raw)
+                seq.constraint = ToolCallConstraint(vocab, self.eos_token_ids, params.tool_names)
             seqs.append(seq)
         detoks = [
             IncrementalDetokenizer(self.tokenizer.raw, prompt_token_ids, params)

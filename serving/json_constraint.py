@@ -11,7 +11,8 @@ copies nothing and a state is its own cache key.
 """
 
 import functools
-from collections.abc import Iterable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import tokenizers
@@ -188,7 +189,55 @@ def _feed(state: State | None, data: bytes, max_whitespace: int) -> State | None
     return state
 
 
-class JsonValidator:
+class ByteValidator(ABC):
+    """An incremental validator of a byte language, as a pure transition function `step` over
+    hashable states: `Vocabulary.allowed` walks its token tries with `step`, and caches the
+    result under `cache_key`. JsonValidator and tool_constraint's ToolCallValidator are two."""
+
+    state: Hashable
+
+    @abstractmethod
+    def step(self, state: Any, c: int) -> Any | None:
+        """The state after byte c, or None if no accepted string starts with what led to
+        `state` + c."""
+
+    @property
+    @abstractmethod
+    def complete(self) -> bool:
+        """Whether the bytes so far are a whole accepted string (only EOS may follow)."""
+
+    @property
+    @abstractmethod
+    def plain_rejected(self) -> bytes | None:
+        """Inside a JSON string, where plain tokens (string content without a quote or "<")
+        are accepted: b"", or the bytes that those starting with are not; elsewhere None."""
+
+    @property
+    @abstractmethod
+    def cache_key(self) -> Hashable:
+        """The state plus everything that sets the language, e.g. the whitespace bound."""
+
+    def _feed(self, data: bytes) -> Any | None:
+        state = self.state
+        for c in data:
+            state = self.step(state, c)
+            if state is None:
+                return None
+        return state
+
+    def accepts(self, data: bytes) -> bool:
+        """Whether `data` may follow what was advanced so far; changes nothing."""
+        return self._feed(data) is not None
+
+    def advance(self, data: bytes) -> None:
+        """Appends `data`; raises ValueError (and changes nothing) if it is not accepted."""
+        state = self._feed(data)
+        if state is None:
+            raise ValueError(f"{data!r} cannot continue the constrained output")
+        self.state = state
+
+
+class JsonValidator(ByteValidator):
     """An incremental validator for UTF-8 JSON text whose top-level value is an object.
 
     A pushdown automaton: it accepts exactly the byte strings that are prefixes of such a
@@ -200,20 +249,20 @@ class JsonValidator:
         self.max_whitespace = max_whitespace
         self.state: State = _INITIAL
 
+    def step(self, state: State, c: int) -> State | None:
+        return _step(state, c, self.max_whitespace)
+
     @property
     def complete(self) -> bool:
         return self.state[0] == _DONE
 
-    def accepts(self, data: bytes) -> bool:
-        """Whether `data` may follow what was advanced so far; changes nothing."""
-        return _feed(self.state, data, self.max_whitespace) is not None
+    @property
+    def plain_rejected(self) -> bytes | None:
+        return b"" if self.state[0] == _STRING else None
 
-    def advance(self, data: bytes) -> None:
-        """Appends `data`; raises ValueError (and changes nothing) if it is not accepted."""
-        state = _feed(self.state, data, self.max_whitespace)
-        if state is None:
-            raise ValueError(f"{data!r} cannot continue the JSON object")
-        self.state = state
+    @property
+    def cache_key(self) -> Hashable:
+        return self.max_whitespace, self.state
 
 
 class _Node:
@@ -257,43 +306,60 @@ class Vocabulary:
             if not data:
                 continue
             self.root.insert(data, i)
-            # No quote: it cannot leave the string, so the stack and key are irrelevant.
-            if b'"' not in data and _feed(in_string, data, 0) == in_string:
+            # No quote: it cannot leave the string, so the stack and key are irrelevant. No
+            # "<" either, so a forced tool call's arguments need not watch it for </tool_call>.
+            if not {0x22, 0x3C} & set(data) and _feed(in_string, data, 0) == in_string:
                 plain.append(i)
             else:
                 self.not_plain.insert(data, i)
         self.plain = torch.zeros(len(token_bytes), dtype=torch.bool)
         self.plain[plain] = True
-        self._allowed: dict[tuple[int, State], torch.Tensor] = {}
+        self._allowed: dict[Hashable, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.token_bytes)
 
-    def allowed(self, validator: JsonValidator) -> torch.Tensor:
+    def allowed(self, validator: ByteValidator) -> torch.Tensor:
         """Bool [len(self)]: the tokens `validator` accepts next. Shared: do not modify."""
-        key = (validator.max_whitespace, validator.state)
+        key = validator.cache_key
         mask = self._allowed.get(key)
         if mask is None:
-            if validator.state[0] == _STRING:
+            rejected = validator.plain_rejected
+            if rejected is not None:
                 mask, root = self.plain.clone(), self.not_plain
+                if rejected:
+                    mask[torch.tensor(self._starting_with(rejected), dtype=torch.long)] = False
             else:
                 mask, root = torch.zeros(len(self), dtype=torch.bool), self.root
-            ids = self._walk(root, validator.state, validator.max_whitespace)
+            ids = self._walk(root, validator.state, validator.step)
             mask[torch.tensor(ids, dtype=torch.long)] = True
             if len(self._allowed) >= self.cache_size:
                 del self._allowed[next(iter(self._allowed))]  # the oldest
             self._allowed[key] = mask
         return mask
 
+    def _starting_with(self, prefix: bytes) -> list[int]:
+        node: _Node | None = self.root
+        for c in prefix:
+            node = node.children.get(c)
+            if node is None:
+                return []
+        ids, todo = [], [node]
+        while todo:
+            node = todo.pop()
+            ids += node.ids
+            todo += node.children.values()
+        return ids
+
     @staticmethod
-    def _walk(root: _Node, state: State, max_whitespace: int) -> list[int]:
+    def _walk(root: _Node, state: Any, step: Callable[[Any, int], Any | None]) -> list[int]:
         ids: list[int] = []
         todo = [(root, state)]
         while todo:
             node, state = todo.pop()
             ids += node.ids
             for c, child in node.children.items():
-                nxt = _step(state, c, max_whitespace)
+                nxt = step(state, c)
                 if nxt is not None:
                     todo.append((child, nxt))
         return ids
@@ -348,8 +414,8 @@ class JsonObjectConstraint:
         self.vocab = vocab
         self.eos_token_ids = frozenset(eos_token_ids)
         if not self.eos_token_ids:
-            raise ValueError("json_object needs an EOS token")
-        self.validator = JsonValidator()
+            raise ValueError("constrained decoding needs an EOS token")
+        self.validator: ByteValidator = JsonValidator()
 
     @property
     def complete(self) -> bool:
@@ -364,7 +430,7 @@ class JsonObjectConstraint:
     def advance(self, token_id: int) -> None:
         """Records the sampled token; raises ValueError if it was not allowed."""
         if not self.allows(token_id):
-            raise ValueError(f"token {token_id} cannot continue the JSON object")
+            raise ValueError(f"token {token_id} cannot continue the constrained output")
         if token_id not in self.eos_token_ids:
             self.validator.advance(self.vocab.token_bytes[token_id])
 

@@ -3,8 +3,8 @@ reasoning, content and tool calls, whole or streamed.
 
 Streamed and whole answers go through the same parsers (reasoning first, then tool calls in
 what is left), so a stream's deltas add up to the whole answer. tool_choice "none" renders
-no tools and parses none; "required" and a named function need constrained decoding, which
-the engine does not have for tools yet, so they are refused rather than silently ignored.
+no tools and parses none; "required" and a named function constrain decoding to one call
+(tool_constraint.py), which the same parsers read back.
 """
 
 import json
@@ -37,7 +37,6 @@ from serving.protocol import (
     ChatResponseMessage,
     DeltaMessage,
     DeltaToolCall,
-    NamedToolChoice,
     ToolCall,
     TopLogprob,
     UsageInfo,
@@ -126,16 +125,6 @@ def _chunk_json(chunk: ChatCompletionChunk) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
-def _check_tool_choice(body: ChatCompletionRequest) -> None:
-    if body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice):
-        raise APIError(
-            400,
-            "tool_choice 'required' or a named function needs constrained decoding, which "
-            "this server does not support yet; use 'auto'",
-            param="tool_choice",
-        )
-
-
 async def _stream(
     serving: OpenAIServing,
     request_id: str,
@@ -205,7 +194,6 @@ def chat_router(serving: OpenAIServing) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         serving.check_model(body.model)
-        _check_tool_choice(body)
         with_tools = bool(body.tools) and body.tool_choice != "none"
         prompt = serving.render_chat(
             body.messages,

@@ -178,7 +178,15 @@ class ChatCompletionRequest(SamplingRequest):
         json_object = (
             self.response_format is not None and self.response_format.type == "json_object"
         )
-        return self._sampling_params(max_tokens, logprobs, json_object=json_object)
+        # "required" and a named function force one call, by constrained decoding.
+        tool_names = None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tool_names = [self.tool_choice.function.name]
+        elif self.tool_choice == "required":
+            tool_names = [tool.function.name for tool in self.tools or []]
+        return self._sampling_params(
+            max_tokens, logprobs, json_object=json_object, tool_names=tool_names
+        )
 
 
 class CompletionRequest(SamplingRequest):

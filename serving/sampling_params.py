@@ -9,7 +9,9 @@ class SamplingParams:
 
     `top_k <= 0` and `top_p == 1` disable those filters; `temperature == 0` means greedy.
     `logprobs=None` returns no logprobs, `0` only the chosen token's, `k` also the top k.
-    `json_object` constrains the output to a JSON object (`response_format` json_object).
+    `json_object` constrains the output to a JSON object (`response_format` json_object);
+    `tool_names` to exactly one tool call to one of those functions (`tool_choice`
+    "required" or a named function), in the chat template's `<tool_call>` form.
     """
 
     max_tokens: int = 16
@@ -31,6 +33,7 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     json_object: bool = False
+    tool_names: list[str] | None = None
 
     @property
     def greedy(self) -> bool:

@@ -317,3 +317,26 @@ async def test_many_concurrent_clients_some_leaving(
     while engine.engine.has_unfinished() or blocks.num_free_blocks != blocks.num_blocks:
         assert time.monotonic() < deadline, "aborted requests were not cleaned up"
         await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
+)
+def test_forced_tool_call(client: openai.OpenAI, tool_choice) -> None:
+    """tool_choice "required" or named: constrained decoding makes even a random model call."""
+    names = ["get_date", "get_time"] if tool_choice == "required" else ["get_time"]
+    tools = [{"type": "function", "function": {"name": n}} for n in ["get_date", "get_time"]]
+    kwargs = {"model": MODEL, "messages": USER, "tools": tools, "tool_choice": tool_choice}
+    # A seed with which the random model closes the call in the fixture's short context.
+    kwargs |= {"max_tokens": 80, "temperature": 1.0, "seed": 9}
+    [choice] = client.chat.completions.create(**kwargs).choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name in names and isinstance(json.loads(call.function.arguments), dict)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    [streamed] = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert (streamed.function.name, streamed.function.arguments) == (
+        call.function.name,
+        call.function.arguments,
+    )
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
