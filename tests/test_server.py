@@ -11,7 +11,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.async_engine import AsyncEngine
 from serving.engine import EngineConfig, LLMEngine
-from serving.openai_chat import ChatDeltaParser, parse_chat_output
 from serving.server import build_app
 from serving.tokenizer import Tokenizer
 
@@ -184,44 +183,6 @@ async def test_chat_json_object(client: httpx.AsyncClient) -> None:
         assert isinstance(json.loads(content), dict)
     else:  # cut off by max_tokens: still a JSON object's beginning
         assert content.strip() == "" or content.lstrip().startswith("{")
-
-
-def test_chat_output_parsing() -> None:
-    text = (
-        "<think>\nThe user wants weather.\n</think>\n\nLet me check.\n"
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    )
-    message = parse_chat_output(text, in_reasoning=False, with_tools=True)
-    assert message.reasoning_content == "The user wants weather."
-    assert message.content == "Let me check."
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
-        ("get_weather", {"city": "Paris"}),
-        ("get_weather", {"city": "Oslo"}),
-    ]
-    # Without tools the blocks stay text; reasoning opened by the prompt is still split off.
-    plain = parse_chat_output("thinking</think>\n\nanswer", in_reasoning=True, with_tools=False)
-    assert (plain.reasoning_content, plain.content, plain.tool_calls) == (
-        "thinking",
-        "answer",
-        None,
-    )
-    only_call = parse_chat_output(text.split("Let me check.\n")[1], False, True)
-    assert only_call.content is None and len(only_call.tool_calls) == 2
-
-    # Streamed in small pieces, the deltas add up to the whole message.
-    for size in (1, 3, 7):
-        parser = ChatDeltaParser(in_reasoning=False, with_tools=True)
-        pieces = [text[i : i + size] for i in range(0, len(text), size)]
-        deltas = [parser.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
-        deltas = [d for d in deltas if d is not None]
-        assert "".join(d.reasoning_content or "" for d in deltas) == message.reasoning_content
-        assert "".join(d.content or "" for d in deltas) == message.content
-        calls = [c for d in deltas for c in d.tool_calls or []]
-        assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [
-            (i, c.function.name, c.function.arguments) for i, c in enumerate(message.tool_calls)
-        ]
-        assert parser.tools_called
 
 
 async def test_completions(client: httpx.AsyncClient, tokenizer: Tokenizer) -> None:
