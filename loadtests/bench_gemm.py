@@ -4,7 +4,10 @@ A decode step multiplies a few activation rows by large weight matrices, so it i
 how fast the weights stream from memory. This prints, for the expert matrices of the
 benchmark shape (16 experts, gate_up 256 x 768 each, all layers' worth so nothing stays in
 cache), the effective weight bandwidth of torch's matrix products at 1, 4 and 16 rows next
-to a plain streaming read of the same bytes, which is the ceiling.
+to a plain streaming read of the same bytes, which is the ceiling, for the two layouts of a
+weight W [out, in]: as stored (`F.linear` multiplies by a transposed operand) and packed
+(the same matrix laid out transposed in memory, so the product reads it row by row; what
+`serving.model.pack_for_inference` does).
 
     python loadtests/bench_gemm.py
 """
@@ -34,10 +37,15 @@ def main() -> None:
     read = best_seconds(lambda: [w.sum() for w in weights])
     print(f"{gbytes * 1e3:.0f} MB of fp32 weights, {torch.get_num_threads()} threads")
     print(f"streaming read (sum): {gbytes / read:.1f} GB/s")
-    for rows in (1, 4, 16):
+    packed = [w.t().contiguous().t() for w in weights]
+    for rows in (1, 2, 4, 16):
         x = torch.randn(rows, HIDDEN)
-        t = best_seconds(lambda x=x: [F.linear(x, w) for w in weights])
-        print(f"F.linear, {rows:2d} rows: {gbytes / t:.1f} GB/s ({read / t:.0%} of the read)")
+        for layout, ws in (("as stored", weights), ("packed", packed)):
+            t = best_seconds(lambda x=x, ws=ws: [F.linear(x, w) for w in ws])
+            print(
+                f"F.linear, {rows:2d} rows, {layout:9s}: {gbytes / t:5.1f} GB/s "
+                f"({read / t:.0%} of the read)"
+            )
 
 
 if __name__ == "__main__":

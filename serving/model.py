@@ -238,6 +238,21 @@ class CausalLM(nn.Module):
         return out
 
 
+def pack_for_inference(model: CausalLM) -> None:
+    """Lay every weight matrix out transposed in memory, logical shapes unchanged.
+
+    `x @ W.t()` then reads `W.t()` as a plain row-major matrix, which CPU BLAS streams
+    1.5-2x faster at decode sizes than a transposed operand (`loadtests/bench_gemm.py`).
+    The embedding keeps its layout (its rows are gathered), and so does a head tied to it.
+    """
+    embed = model.embed_tokens.weight
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.dim() >= 2 and p is not embed:
+                packed = p.detach().transpose(-1, -2).contiguous().transpose(-1, -2)
+                setattr(module, name, nn.Parameter(packed, requires_grad=False))
+
+
 def causal_mask(length: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
     """[B or 1, 1, L, L] boolean: causal, and hiding padded keys.
 

@@ -11,8 +11,7 @@ import torch
 
 from serving.attention import AttentionMetadata, PrefillChunk
 from serving.config import ModelConfig
-from serving.model import CausalLM
-from serving.moe import SparseMoE
+from serving.model import CausalLM, pack_for_inference
 from serving.sampler import Sampler, SamplingRow
 from serving.sequence import Sequence, TokenLogprob
 
@@ -38,9 +37,8 @@ class ModelRunner:
         cfg = model.config
         dtype = model.embed_tokens.weight.dtype
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        pack_for_inference(model)
         for layer in model.layers:
-            if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.pack_experts()
             layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype)
         self.sampler = Sampler(cfg.vocab_size, eos_token_ids)
