@@ -187,10 +187,12 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
+        start = time.monotonic()
+        for seq, _ in plan.scheduled:
+            seq.scheduled_time = seq.scheduled_time or start  # queue time ends here
         sampled = self.runner.run(plan.scheduled)
         now = time.monotonic()
         for seq, n in plan.scheduled:
-            seq.scheduled_time = seq.scheduled_time or now
             seq.num_computed_tokens += n
             self.blocks.register_computed(seq)
         deltas: dict[str, list[SequenceOutput]] = {}

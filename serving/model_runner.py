@@ -29,6 +29,9 @@ class SampledToken:
 
 
 class ModelRunner:
+    """Takes the model over for inference: its weights are packed (`pack_for_inference`) and
+    frozen, and KV cache tensors are attached to its attention modules."""
+
     def __init__(
         self, model: CausalLM, num_blocks: int, block_size: int, eos_token_ids: list[int]
     ) -> None:
