@@ -1,0 +1,117 @@
+"""The evaluation harness: references score 100%, a live server is measured, regressions fail."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from serving.async_engine import AsyncEngine
+from serving.engine import EngineConfig, LLMEngine
+from serving.reasoning import split_reasoning
+from serving.server import build_app
+from serving.tool_parser import parse_tool_calls
+from training.eval import assistant_text, regressions, report, run, summarize
+from training.seeds import EVAL_SEED_BASE, eval_seed, train_seed
+
+ALL = ["math", "tools"]
+
+
+def test_seed_spaces_are_disjoint():
+    assert eval_seed(0, 0) >= EVAL_SEED_BASE and eval_seed(7, 123) >= EVAL_SEED_BASE
+    with pytest.raises(ValueError, match="held out"):
+        train_seed(eval_seed(0, 5))
+    assert train_seed(12) == 12
+
+
+def test_assistant_text_round_trips_reasoning_and_tool_calls():
+    message = {
+        "content": "Let me check.",
+        "reasoning_content": "The user wants the weather.",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    }
+    text = assistant_text(message)
+    reasoning, content = split_reasoning(text)
+    assert reasoning == "The user wants the weather."
+    rest, calls = parse_tool_calls(content)
+    assert rest.strip() == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+
+
+@pytest.mark.parametrize("style", ["think", "short"])
+def test_reference_solutions_score_full_marks(style):
+    records = asyncio.run(run(ALL, [1, 2, 3], n=2, run_seed=0, concurrency=4, reference=style))
+    assert len(records) == len(ALL) * 3 * 2
+    failed = [(r.domain, r.difficulty, r.seed, r.reason) for r in records if r.reward < 1.0]
+    assert not failed
+    rows = summarize(records)
+    assert {r["domain"] for r in rows} == set(ALL)
+    assert all(r["completion_rate"] == 1.0 for r in rows)
+
+
+@pytest.fixture(scope="module")
+def live_server(random_checkpoint: Path):
+    """`tierserve engine` on a free port, as the eval command would meet it."""
+    config = EngineConfig(max_model_len=2048)
+    aengine = AsyncEngine(LLMEngine.from_checkpoint(random_checkpoint, config))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = build_app(aengine, aengine.engine.tokenizer, "tiny-moe")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(timeout=10)
+    aengine.stop()
+
+
+def test_eval_against_a_live_server(live_server):
+    records = asyncio.run(
+        run(
+            ["math", "tools"],
+            [1],
+            n=3,
+            run_seed=1,
+            concurrency=2,
+            url=live_server,
+            served_model="tiny-moe",
+            max_tokens=24,
+        )
+    )
+    assert len(records) == 6
+    assert all(not r.reason.startswith("request failed") for r in records), records
+    assert all(r.output_tokens and r.output_tokens > 0 and r.latency_s > 0 for r in records)
+    math_rows = [r for r in summarize(records) if r["domain"] == "math"]
+    assert math_rows[0]["completion_rate"] == 0.0  # random weights solve nothing
+
+
+def test_regression_check_flags_a_drop():
+    baseline = {"summary": [{"domain": "math", "difficulty": "all", "completion_rate": 0.9}]}
+    ok = [{"domain": "math", "difficulty": "all", "completion_rate": 0.85}]
+    bad = [{"domain": "math", "difficulty": "all", "completion_rate": 0.5}]
+    assert regressions(ok, baseline, max_drop=10) == []
+    assert "math" in regressions(bad, baseline, max_drop=10)[0]
+
+
+def test_report_is_json():
+    records = asyncio.run(run(["math"], [1], n=2, run_seed=3, concurrency=1, reference="short"))
+    data = json.loads(json.dumps(report(records)))
+    assert data["summary"][0]["n"] == 2 and len(data["records"]) == 2

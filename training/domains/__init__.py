@@ -1,0 +1,1 @@
+"""Verifiable task domains: math, code, terminal and tool calling (see base.py)."""
