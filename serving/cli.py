@@ -5,6 +5,7 @@ line and exit with status 2; only bugs show a traceback.
 """
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -119,10 +120,87 @@ def add_init_checkpoint(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run_init_checkpoint)
 
 
+def run_sandbox_exec(args: argparse.Namespace) -> None:
+    from training.sandbox import Limits, run_code
+
+    limits = Limits() if args.timeout is None else Limits(timeout_s=args.timeout)
+    print(json.dumps(run_code(args.lang, args.file.read_text(), limits=limits).to_json()))
+
+
+def add_sandbox(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("sandbox", help="run untrusted code in the execution sandbox")
+    actions = parser.add_subparsers(required=True, metavar="ACTION")
+    exec_parser = actions.add_parser("exec", help="run one file and print the JSON result")
+    exec_parser.add_argument("--lang", required=True, choices=["python", "bash"])
+    exec_parser.add_argument("file", type=Path)
+    exec_parser.add_argument("--timeout", type=float, help="wall-clock seconds (default 5)")
+    exec_parser.set_defaults(run=run_sandbox_exec)
+
+
+def run_eval(args: argparse.Namespace) -> None:
+    from training import eval as harness
+
+    records = asyncio.run(
+        harness.run(
+            args.domains.split(","),
+            args.difficulty,
+            args.n,
+            args.seed,
+            args.concurrency,
+            model_dir=args.model,
+            url=args.url,
+            served_model=args.served_model,
+            api_key=args.api_key,
+            reference=args.reference,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+        )
+    )
+    result = harness.report(records)
+    print(harness.format_table(result["summary"]))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.baseline:
+        failures = harness.regressions(
+            result["summary"], json.loads(args.baseline.read_text()), args.max_drop
+        )
+        for failure in failures:
+            print(f"regression: {failure}", file=sys.stderr)
+        if failures:
+            sys.exit(1)
+
+
+def add_eval(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("eval", help="score a model on held-out tasks of the domains")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--model", type=Path, help="a checkpoint directory, served in process")
+    target.add_argument("--url", help="an OpenAI-compatible API root, e.g. http://host:8100/v1")
+    target.add_argument(
+        "--reference", choices=["think", "short"], help="play the reference solutions instead"
+    )
+    parser.add_argument("--served-model", help="the model name to ask for at --url")
+    parser.add_argument("--api-key", default=os.environ.get("TIERSERVE_API_KEY"))
+    parser.add_argument("--domains", default="math,code,terminal,tools")
+    parser.add_argument("--n", type=int, default=20, help="tasks per domain and difficulty")
+    parser.add_argument("--seed", type=int, default=0, help="picks the held-out tasks")
+    parser.add_argument("--difficulty", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=512, help="per assistant turn")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--json", type=Path, help="write the summary and every record here")
+    parser.add_argument("--baseline", type=Path, help="an earlier --json: exit 1 on a drop")
+    parser.add_argument(
+        "--max-drop", type=float, default=5.0, help="allowed drop in completion, in points"
+    )
+    parser.set_defaults(run=run_eval)
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_engine,
     add_generate,
     add_init_checkpoint,
+    add_sandbox,
+    add_eval,
 ]
 
 

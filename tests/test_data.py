@@ -9,7 +9,7 @@ from training.eval import load_domain
 from training.seeds import eval_seed
 
 
-@pytest.mark.parametrize("name", ["math", "tools"])
+@pytest.mark.parametrize("name", ["math", "code", "terminal", "tools"])
 def test_sft_examples_are_deterministic_verified_conversations(name):
     domain = load_domain(name)
     a = list(sft_examples(domain, range(3), [1, 2], "think"))

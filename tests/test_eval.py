@@ -18,7 +18,7 @@ from serving.tool_parser import parse_tool_calls
 from training.eval import assistant_text, regressions, report, run, summarize
 from training.seeds import EVAL_SEED_BASE, eval_seed, train_seed
 
-ALL = ["math", "tools"]
+ALL = ["math", "code", "terminal", "tools"]
 
 
 def test_seed_spaces_are_disjoint():
@@ -115,3 +115,72 @@ def test_report_is_json():
     records = asyncio.run(run(["math"], [1], n=2, run_seed=3, concurrency=1, reference="short"))
     data = json.loads(json.dumps(report(records)))
     assert data["summary"][0]["n"] == 2 and len(data["records"]) == 2
+
+
+def test_the_eval_command_against_a_live_server(live_server, tmp_path, capsys):
+    from serving.cli import main
+
+    out = tmp_path / "eval.json"
+    main(
+        [
+            "eval",
+            "--url",
+            live_server,
+            "--served-model",
+            "tiny-moe",
+            "--domains",
+            "math",
+            "--n",
+            "2",
+            "--difficulty",
+            "1",
+            "--max-tokens",
+            "8",
+            "--json",
+            str(out),
+        ]
+    )
+    table = capsys.readouterr().out
+    assert "| math | 1 | 2 |" in table and "| math | all | 2 |" in table
+    assert json.loads(out.read_text())["summary"][0]["completion_rate"] == 0.0
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(
+        json.dumps({"summary": [{"domain": "math", "difficulty": "all", "completion_rate": 1.0}]})
+    )
+    # The references score 100%: no regression, a normal return.
+    main(
+        [
+            "eval",
+            "--reference",
+            "short",
+            "--domains",
+            "math",
+            "--n",
+            "2",
+            "--difficulty",
+            "1",
+            "--baseline",
+            str(baseline),
+        ]
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "eval",
+                "--url",
+                live_server,
+                "--served-model",
+                "tiny-moe",
+                "--domains",
+                "math",
+                "--n",
+                "2",
+                "--difficulty",
+                "1",
+                "--max-tokens",
+                "8",
+                "--baseline",
+                str(baseline),
+            ]
+        )
+    assert exit_info.value.code == 1
