@@ -47,5 +47,5 @@ def pretrain_documents(
                 parts.append(message["content"])
             for call in message.get("tool_calls") or []:
                 fn = call["function"]
-                parts.append(f'{fn["name"]}({fn["arguments"]})')
+                parts.append(f"{fn['name']}({fn['arguments']})")
         yield "\n\n".join(parts)

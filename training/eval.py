@@ -209,10 +209,16 @@ def summarize(records: list[Record]) -> list[dict[str, Any]]:
             "output_tokens": _mean_ci(tokens) if tokens else None,
             "latency_s": _mean_ci([r.latency_s for r in rs]),
         }
-        for key in ("steps", "invalid_ops"):
-            values = [r.metrics[key] for r in rs if key in r.metrics]
-            if values:
-                row[key] = _mean_ci(values)
+        steps = [r.metrics["steps"] for r in rs if "steps" in r.metrics]
+        if steps:
+            row["steps"] = _mean_ci(steps)
+        invalid = [
+            r.metrics["invalid_ops"] / max(r.metrics.get("steps", 1), 1)
+            for r in rs
+            if "invalid_ops" in r.metrics
+        ]
+        if invalid:
+            row["invalid_op_rate"] = _mean_ci(invalid)  # invalid turns / turns, per episode
         rows.append(row)
     return rows
 
@@ -223,7 +229,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
     lines = [
         "| domain | difficulty | n | completion % (95% CI) | mean reward | output tokens "
-        "| steps | invalid ops | latency s |",
+        "| steps | invalid-op rate | latency s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -231,8 +237,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['domain']} | {r['difficulty']} | {r['n']} | {100 * r['completion_rate']:.0f} "
             f"({100 * low:.0f}-{100 * high:.0f}) | {pm(r['mean_reward'], 2)} "
-            f"| {pm(r['output_tokens'])} | {pm(r.get('steps'))} | {pm(r.get('invalid_ops'), 2)} "
-            f"| {pm(r['latency_s'], 2)} |"
+            f"| {pm(r['output_tokens'])} | {pm(r.get('steps'))} "
+            f"| {pm(r.get('invalid_op_rate'), 2)} | {pm(r['latency_s'], 2)} |"
         )
     return "\n".join(lines)
 
