@@ -3,17 +3,15 @@
 import asyncio
 import json
 import socket
-import threading
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
-import uvicorn
 
-from serving.async_engine import AsyncEngine
-from serving.engine import EngineConfig, LLMEngine
 from serving.reasoning import split_reasoning
-from serving.server import build_app
 from serving.tool_parser import parse_tool_calls
 from training.eval import assistant_text, regressions, report, run, summarize
 from training.seeds import EVAL_SEED_BASE, eval_seed, train_seed
@@ -63,24 +61,38 @@ def test_reference_solutions_score_full_marks(style):
 
 @pytest.fixture(scope="module")
 def live_server(random_checkpoint: Path):
-    """`tierserve engine` on a free port, as the eval command would meet it."""
-    config = EngineConfig(max_model_len=2048)
-    aengine = AsyncEngine(LLMEngine.from_checkpoint(random_checkpoint, config))
+    """A real `tierserve engine` process on a free port, as users run it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = build_app(aengine, aengine.engine.tokenizer, "tiny-moe")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(timeout=10)
-    aengine.stop()
+    command = [
+        sys.executable,
+        "-c",
+        "from serving.cli import main; main()",
+        "engine",
+        "--model",
+        str(random_checkpoint),
+        "--port",
+        str(port),
+        "--max-model-len",
+        "2048",
+        "--served-model-name",
+        "tiny-moe",
+    ]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert server.poll() is None, "tierserve engine exited"
+        assert time.monotonic() < deadline, "tierserve engine did not start"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    yield f"{url}/v1"
+    server.terminate()
+    server.wait(timeout=20)
 
 
 def test_eval_against_a_live_server(live_server):
