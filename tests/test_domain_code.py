@@ -7,7 +7,8 @@ import random
 import pytest
 
 from training.domains.base import MAX_DIFFICULTY, MIN_DIFFICULTY, play
-from training.domains.code import N_TESTS, OPS, OPS_BY_NAME, CodeDomain, make_task, verify
+from training.domains.code import N_TESTS, CodeDomain, make_task, verify
+from training.domains.code_ops import OPS, OPS_BY_NAME
 
 DOMAIN = CodeDomain()
 SEEDS = range(3)
