@@ -8,7 +8,8 @@ import pytest
 from serving.tokenizer import Tokenizer
 from serving.tool_parser import parse_tool_calls
 from training.domains.base import play
-from training.domains.tool_tasks import BANK, SINGLES
+from training.domains.tool_bank import BANK
+from training.domains.tool_tasks import SINGLES
 from training.domains.tools import ToolsDomain
 
 DOMAIN = ToolsDomain()

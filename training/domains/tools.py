@@ -36,7 +36,8 @@ from training.domains.base import (
     Task,
     Verdict,
 )
-from training.domains.tool_tasks import BANK, CHAINS, SINGLES
+from training.domains.tool_bank import BANK
+from training.domains.tool_tasks import CHAINS, SINGLES
 
 
 def _show(value: Any) -> str:
