@@ -194,6 +194,9 @@ for path in ["/proc/1/environ", "/proc/{os.getpid()}/environ", *glob.glob("/proc
 
 @needs_bwrap
 def test_no_network_not_even_the_hosts_loopback() -> None:
+    # Never send a packet outside this machine: try the public address only from inside a
+    # network namespace (were the sandbox to fall back to rlimits, this fails first).
+    assert run_code("python", "pass").isolation == "bubblewrap"
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
@@ -201,6 +204,7 @@ def test_no_network_not_even_the_hosts_loopback() -> None:
         port = listener.getsockname()[1]
         source = f"""
 import socket
+assert [n for _, n in socket.if_nameindex()] == ["lo"], "not in a private network namespace"
 for addr in [("127.0.0.1", {port}), ("1.1.1.1", 53)]:
     try:
         socket.create_connection(addr, timeout=3).close()
