@@ -180,7 +180,9 @@ def save_checkpoint(
     """Write a directory that transformers, vLLM and our loader all read."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    config = model.config.to_dict()
+    config["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(to_hf_state_dict(model), path / "model.safetensors", metadata={"format": "pt"})
     if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != path.resolve():
         for name in TOKENIZER_FILES:

@@ -17,9 +17,18 @@ from serving.config import CheckpointError
 from serving.engine import EngineConfig, EngineInputError, LLMEngine
 from serving.sampling_params import SamplingParams
 from serving.tokenizer import TokenizerError
+from training.cli import add_train
+from training.config import ConfigError
 
 # Errors that mean "bad input", not "bug".
-USER_ERRORS = (CheckpointError, TokenizerError, EngineInputError, OSError, json.JSONDecodeError)
+USER_ERRORS = (
+    CheckpointError,
+    ConfigError,
+    TokenizerError,
+    EngineInputError,
+    OSError,
+    json.JSONDecodeError,
+)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -201,6 +210,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_init_checkpoint,
     add_sandbox,
     add_eval,
+    add_train,
 ]
 
 

@@ -5,10 +5,11 @@ difficulty and seed range always give the same data. Seeds come from the trainin
 (`training.seeds`), so no example can coincide with a held-out evaluation task.
 """
 
+import copy
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from training.domains.base import Domain, Style, Task, play
+from training.domains.base import Domain, Style, Task
 from training.seeds import train_seed
 
 
@@ -25,12 +26,31 @@ def sft_examples(
 ) -> Iterator[dict[str, Any]]:
     """Chat-format SFT examples: the reference solution played through a real episode, so
     multi-turn tasks carry the true observations. Examples whose reference does not verify
-    are a bug and raise rather of training the model on a wrong answer."""
+    are a bug and raise rather than train the model on a wrong answer.
+
+    `turns` pairs each assistant turn's raw text (what the model must generate) with the
+    conversation before it (what it is prompted with): the chat template drops earlier
+    turns' reasoning, so a multi-turn episode is trained one turn at a time, in exactly the
+    context inference gives it."""
     for task in tasks(domain, seeds, difficulties):
-        episode, verdict = play(domain, task, domain.reference(task, style))
+        episode = domain.start(task)
+        turns: list[tuple[list[dict[str, Any]], str]] = []
+        try:
+            for turn in domain.reference(task, style):
+                turns.append((copy.deepcopy(episode.messages), turn))
+                if episode.step(turn):
+                    break
+            verdict = episode.verdict()
+        finally:
+            episode.close()
         if verdict.reward < 1.0:
             raise RuntimeError(f"{task.domain} seed {task.seed}: reference: {verdict.reason}")
-        example: dict[str, Any] = {"messages": episode.messages, "domain": task.domain}
+        example: dict[str, Any] = {
+            "messages": episode.messages,
+            "turns": turns,
+            "domain": task.domain,
+            "difficulty": task.difficulty,
+        }
         if task.tools:
             example["tools"] = task.tools
         yield example
@@ -39,13 +59,13 @@ def sft_examples(
 def pretrain_documents(
     domain: Domain, seeds: Iterable[int], difficulties: Iterable[int], style: Style
 ) -> Iterator[str]:
-    """Plain-text documents (no chat markup): each turn's text, in order, blank-line separated."""
+    """Plain-text documents (no chat markup): each turn's text in order, blank-line separated,
+    the assistant's turns as the model writes them (reasoning and tool-call blocks included)."""
     for example in sft_examples(domain, seeds, difficulties, style):
-        parts = []
-        for message in example["messages"]:
-            if message.get("content"):
-                parts.append(message["content"])
-            for call in message.get("tool_calls") or []:
-                fn = call["function"]
-                parts.append(f"{fn['name']}({fn['arguments']})")
+        raw = iter(turn for _, turn in example["turns"])
+        parts = [
+            next(raw) if message["role"] == "assistant" else message["content"]
+            for message in example["messages"]
+            if message["role"] == "assistant" or message.get("content")
+        ]
         yield "\n\n".join(parts)

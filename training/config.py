@@ -1,0 +1,128 @@
+"""Stage configurations: one TOML file per stage, validated at the edge.
+
+Every knob a stage has is a field here with its default; a TOML file overrides some of them,
+and `--set key=value` on the command line overrides the file (for quick experiments).
+Unknown keys are errors, so a typo cannot silently leave a default in force.
+"""
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+DOMAIN_NAMES = ("math", "code", "terminal", "tools")
+
+
+class ConfigError(ValueError):
+    """A stage configuration that does not load or validate."""
+
+
+class OptimConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # the cosine decays to lr * min_lr_ratio
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class TrainConfig(BaseModel):
+    """What the trainer itself needs, whatever the stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(100, ge=1)
+    micro_batch: int = Field(8, ge=1)  # sequences per process per forward
+    grad_accum: int = Field(1, ge=1)
+    seq_len: int = Field(512, ge=8)
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    zero_stage: int = Field(0, ge=0, le=2)
+    seed: int = 0
+    optim: OptimConfig = OptimConfig()
+    aux_loss_coef: float = Field(0.01, ge=0)  # MoE load balancing (Switch / Mixtral)
+    z_loss_coef: float = Field(1e-3, ge=0)  # router z-loss (ST-MoE)
+    mtp_weight: float = Field(0.0, ge=0)  # lambda of the MTP loss; 0 trains no MTP
+    save_every: int = Field(50, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    eval_every: int = Field(0, ge=0)  # 0: evaluate only at the end
+    eval_n: int = Field(4, ge=1)  # held-out tasks per domain and difficulty
+    eval_difficulties: list[int] = [1]
+    eval_max_tokens: int = Field(384, ge=1)
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    examples: int = Field(2000, ge=1)  # tasks drawn to build the dataset
+    mix: dict[str, float] = {"math": 0.35, "code": 0.25, "terminal": 0.2, "tools": 0.2}
+    difficulties: list[int] = [1, 2, 3]
+    seed: int = 0  # the first training seed; tasks use seeds seed, seed+1, ...
+
+    @field_validator("mix")
+    @classmethod
+    def _known_domains(cls, mix: dict[str, float]) -> dict[str, float]:
+        unknown = set(mix) - set(DOMAIN_NAMES)
+        if unknown:
+            raise ValueError(f"unknown domains {sorted(unknown)}; choose from {DOMAIN_NAMES}")
+        if not mix or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
+            raise ValueError("mix weights must be non-negative with a positive sum")
+        return mix
+
+
+class StageConfig(BaseModel):
+    """One stage: where its model comes from, what data it sees, how it trains."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stage: Literal["pretrain", "sft", "draft"]
+    style: Literal["think", "short"] = "think"
+    init: str | None = None  # a checkpoint directory to start from (sft, draft's teacher)
+    shape: dict[str, Any] | None = None  # config.json fields of a model built from scratch
+    tokenizer: str | None = None  # a directory holding tokenizer.json (pretrain, draft)
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    kd_temperature: float = Field(1.0, gt=0)  # draft: softmax temperature of distillation
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {part} is not a table")
+    node[leaf] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`key.sub=value` with a TOML value (`train.steps=50`, `style="short"`); bare words are
+    strings."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return key.strip(), value
+
+
+def load_stage_config(
+    path: str | Path | None, overrides: list[str] | None = None, **defaults: Any
+) -> StageConfig:
+    raw: dict[str, Any] = dict(defaults)
+    if path is not None:
+        try:
+            raw.update(tomllib.loads(Path(path).read_text(encoding="utf-8")))
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"{path}: {e}") from e
+    for item in overrides or []:
+        _set_dotted(raw, *parse_override(item))
+    try:
+        return StageConfig.model_validate(raw)
+    except ValidationError as e:
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}invalid stage config:\n{e}") from e

@@ -1,0 +1,182 @@
+"""Tokenized training sets, built once per run and read back by index.
+
+A stage draws its tasks from the domains (`training.data`), tokenizes them with the run's
+tokenizer and writes them to disk; training then reads examples by position. Because the
+order is a pure function of (seed, position), a resumed or multi-process run sees exactly the
+examples an uninterrupted single-process run would, with no reader state to checkpoint.
+
+- Pretraining: plain documents of both styles, each followed by `<|endoftext|>`, packed
+  into one token array cut into `seq_len + 1` windows (`tokens.npy`).
+- SFT: one example per assistant turn, the prompt rendered by the checkpoint's chat template
+  with the generation prompt (as the server renders it) and the raw turn plus `<|im_end|>`
+  as the completion; the loss covers the completion only (`sft.jsonl`).
+"""
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from serving.tokenizer import Tokenizer
+from training.config import DataConfig
+from training.data import pretrain_documents, sft_examples
+from training.domains.base import Style
+from training.eval import load_domain
+from training.tokenizer import PAD_TOKEN
+
+IGNORE = -100  # label of positions that carry no loss
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, L]
+    labels: torch.Tensor  # [B, L]: the token to predict at each position, or IGNORE
+    padding_mask: torch.Tensor  # [B, L] True on real tokens
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.input_ids.shape[1]).expand_as(self.input_ids)
+
+    @property
+    def num_targets(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+
+def draw_tasks(data: DataConfig) -> Iterator[tuple[str, int, int]]:
+    """(domain, task seed, difficulty) of each example: the domain mix and difficulty drawn
+    by a generator seeded per example, so any prefix of a longer run is the same."""
+    names = list(data.mix)
+    weights = [data.mix[n] for n in names]
+    for i in range(data.examples):
+        rng = random.Random(f"draw:{data.seed}:{i}")
+        yield rng.choices(names, weights)[0], data.seed + i, rng.choice(data.difficulties)
+
+
+def chat_examples(data: DataConfig, style: Style) -> Iterator[dict]:
+    domains = {name: load_domain(name) for name in data.mix}
+    for name, seed, difficulty in draw_tasks(data):
+        yield next(sft_examples(domains[name], [seed], [difficulty], style))
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def build_sft(
+    data: DataConfig, style: Style, tokenizer: Tokenizer, out: Path, seq_len: int
+) -> Path:
+    """Write `out` (JSONL: domain, prompt ids, completion ids); turns longer than `seq_len`
+    are left out and counted on the progress bar."""
+    eos = tokenizer.raw.token_to_id(tokenizer.eos_token)
+    rows, skipped = [], 0
+    bar = tqdm(chat_examples(data, style), total=data.examples, desc=f"sft data ({style})")
+    for example in bar:
+        for messages, turn in example["turns"]:
+            text = tokenizer.apply_chat_template(messages, tools=example.get("tools"))
+            prompt, completion = tokenizer.encode(text), [*tokenizer.encode(turn), eos]
+            if len(prompt) + len(completion) > seq_len + 1:
+                skipped += 1
+                bar.set_postfix(too_long=skipped)
+                continue
+            row = {"domain": example["domain"], "prompt": prompt, "completion": completion}
+            rows.append(json.dumps(row) + "\n")
+    if not rows:
+        raise ValueError(f"no SFT example fits seq_len={seq_len}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out, lambda f: f.write("".join(rows).encode()))
+    return out
+
+
+def pretrain_text(data: DataConfig) -> Iterator[str]:
+    """Documents without chat markup, half of them in each style."""
+    domains = {name: load_domain(name) for name in data.mix}
+    for i, (name, seed, difficulty) in enumerate(draw_tasks(data)):
+        style = "think" if random.Random(f"style:{data.seed}:{i}").random() < 0.5 else "short"
+        yield next(pretrain_documents(domains[name], [seed], [difficulty], style))
+
+
+def build_pretrain(data: DataConfig, tokenizer: Tokenizer, out: Path) -> Path:
+    """Write `out` (`.npy`, int32): the documents, each ended by `<|endoftext|>`."""
+    eod = tokenizer.raw.token_to_id(PAD_TOKEN)
+    ids: list[int] = []
+    for doc in tqdm(pretrain_text(data), total=data.examples, desc="pretrain data"):
+        ids += [*tokenizer.encode(doc), eod]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out, lambda f: np.save(f, np.asarray(ids, dtype=np.int32)))
+    return out
+
+
+class SampleOrder:
+    """Position k of the training stream -> example index: a fresh seeded permutation of the
+    dataset per epoch, so every example is seen once per epoch in a random order."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed = size, seed
+        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    def __getitem__(self, k: int) -> int:
+        epoch, offset = divmod(k, self.size)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.size, generator=g)
+        return int(self._perm[offset])
+
+
+class PretrainDataset:
+    def __init__(self, path: Path, seq_len: int) -> None:
+        self.tokens = torch.from_numpy(np.load(path)).long()
+        self.seq_len = seq_len
+        if len(self) < 1:
+            raise ValueError(f"{path}: fewer than {seq_len + 1} tokens")
+
+    def __len__(self) -> int:
+        return (self.tokens.numel() - 1) // self.seq_len
+
+    def collate(self, indices: list[int]) -> Batch:
+        windows = torch.stack(
+            [self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1] for i in indices]
+        )
+        inputs = windows[:, :-1]
+        return Batch(inputs, windows[:, 1:].clone(), torch.ones_like(inputs, dtype=torch.bool))
+
+
+class SFTDataset:
+    def __init__(self, path: Path, pad_id: int) -> None:
+        self.rows = [json.loads(line) for line in path.read_text().splitlines()]
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def domain(self, index: int) -> str:
+        return self.rows[index]["domain"]
+
+    def collate(self, indices: list[int]) -> Batch:
+        """Right-padded to the longest example; labels only on completion tokens."""
+        seqs, labels = [], []
+        for i in indices:
+            row = self.rows[i]
+            ids = row["prompt"] + row["completion"]
+            target = [IGNORE] * (len(row["prompt"]) - 1) + row["completion"]
+            seqs.append(ids[:-1])
+            labels.append(target)
+        width = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        label_ids = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+        for b, (s, t) in enumerate(zip(seqs, labels, strict=True)):
+            input_ids[b, : len(s)] = torch.tensor(s)
+            label_ids[b, : len(t)] = torch.tensor(t)
+            mask[b, : len(s)] = True
+        return Batch(input_ids, label_ids, mask)

@@ -1,0 +1,72 @@
+"""The losses every stage combines: token cross-entropy, MoE router losses, MTP, distillation.
+
+Token losses are returned as sums, not means: the trainer divides by the number of target
+tokens in the whole global batch (all micro-batches, all processes), so the gradient does
+not depend on how a batch was split into micro-batches or processes.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from training.datasets import IGNORE
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over positions whose label is not IGNORE (fp32)."""
+    return F.cross_entropy(
+        logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
+
+
+def load_balancing_loss(
+    router_logits: list[torch.Tensor], top_k: int, token_mask: torch.Tensor
+) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss, as Mixtral uses it: per layer
+    E * sum_e f_e * P_e, with f_e the share of top-k slots routed to expert e and P_e the mean
+    router probability of e over real tokens; averaged over layers. Equal to top_k when the
+    routing is perfectly balanced, larger when it is not."""
+    mask = token_mask.flatten().float()
+    real = mask.sum().clamp(min=1)
+    total = router_logits[0].new_zeros((), dtype=torch.float32)
+    for logits in router_logits:
+        num_experts = logits.shape[-1]
+        probs = logits.float().softmax(-1)
+        chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).sum(1).float()
+        share = (chosen * mask[:, None]).sum(0) / real  # top-k slots per token, per expert
+        mean_prob = (probs * mask[:, None]).sum(0) / real
+        total = total + num_experts * (share * mean_prob).sum()
+    return total / len(router_logits)
+
+
+def router_z_loss(router_logits: list[torch.Tensor], token_mask: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's z-loss: mean squared log-partition of the router logits over real tokens,
+    which keeps them small and the routing softmax numerically stable."""
+    mask = token_mask.flatten().float()
+    real = mask.sum().clamp(min=1)
+    per_layer = [
+        (torch.logsumexp(logits.float(), dim=-1).square() * mask).sum() / real
+        for logits in router_logits
+    ]
+    return torch.stack(per_layer).mean()
+
+
+def shift_labels(labels: torch.Tensor, depth: int) -> torch.Tensor:
+    """Labels of MTP depth `depth`: position t predicts labels[t + depth]."""
+    out = torch.full_like(labels, IGNORE)
+    out[:, :-depth] = labels[:, depth:]
+    return out
+
+
+def distillation_loss_sum(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """Summed KL(teacher || student) of the temperature-softened distributions over the
+    positions that carry a label, scaled by T^2 (Hinton et al.) so gradients keep their size."""
+    keep = labels.flatten() != IGNORE
+    s = (student_logits.float().flatten(0, -2)[keep] / temperature).log_softmax(-1)
+    t = (teacher_logits.float().flatten(0, -2)[keep] / temperature).log_softmax(-1)
+    kl = F.kl_div(s, t, log_target=True, reduction="sum")
+    return kl * temperature**2

@@ -1,0 +1,188 @@
+"""Recipes: the whole chain from nothing to the three shipped models.
+
+tokenizer -> pretrain (the base MoE, with MTP) -> SFT in the think style (the full tier)
+and in the short style (the first highspeed model), both from the same base -> a dense
+drafter distilled from the full model -> held-out evaluation, model cards, and the three
+Hugging Face directories under `models/`. Every stage resumes where it stopped when the
+recipe is run again. A recipe is a directory of TOML files (`training/recipes/NAME/`).
+"""
+
+import asyncio
+import json
+import shutil
+import time
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from serving.checkpoint import load_checkpoint
+from serving.tokenizer import Tokenizer
+from training import eval as harness
+from training.config import DataConfig, load_stage_config
+from training.datasets import IGNORE, SFTDataset, build_sft, chat_examples
+from training.stages import run_stage
+from training.tokenizer import PAD_TOKEN, save_tokenizer, train_tokenizer
+
+RECIPES = resources.files("training") / "recipes"
+
+
+def recipe_dir(name: str) -> Path:
+    path = Path(str(RECIPES / name))
+    if not (path / "recipe.toml").is_file():
+        known = sorted(p.name for p in Path(str(RECIPES)).iterdir() if p.is_dir())
+        raise ValueError(f"unknown recipe {name!r}; choose from {', '.join(known)}")
+    return path
+
+
+def tokenizer_corpus(data: DataConfig) -> Any:
+    """Every kind of text the models see: turns of both styles, observations, tool schemas."""
+    for style in ("think", "short"):
+        for example in chat_examples(data, style):
+            for message in example["messages"]:
+                if message.get("content") and message["role"] != "assistant":
+                    yield message["content"]
+            for _, turn in example["turns"]:
+                yield turn
+            for tool in example.get("tools") or []:
+                yield json.dumps(tool, ensure_ascii=False)
+
+
+def build_tokenizer(out: Path, vocab_size: int, examples: int) -> Path:
+    if (out / "tokenizer.json").exists():
+        return out
+    corpus = tqdm(tokenizer_corpus(DataConfig(examples=examples)), desc="tokenizer corpus")
+    save_tokenizer(train_tokenizer(corpus, vocab_size), out)
+    return out
+
+
+def draft_agreement(draft_dir: Path, full_dir: Path, data: DataConfig, seq_len: int) -> float:
+    """Share of completion positions where the drafter's greedy next token is the full
+    model's, teacher-forced on reference turns of tasks neither model trained on (training
+    seeds past the ones the recipe used: the evaluation seed space is reserved for eval)."""
+    tokenizer = Tokenizer.from_dir(full_dir)
+    path = draft_dir.parent / "agreement.jsonl"
+    build_sft(data, "think", tokenizer, path, seq_len)
+    dataset = SFTDataset(path, tokenizer.raw.token_to_id(PAD_TOKEN))
+    draft, full = load_checkpoint(draft_dir), load_checkpoint(full_dir)
+    agree = total = 0
+    with torch.inference_mode():
+        for start in range(0, len(dataset), 8):
+            batch = dataset.collate(list(range(start, min(start + 8, len(dataset)))))
+            keep = batch.labels != IGNORE
+            guesses = [
+                m.compute_logits(
+                    m(batch.input_ids, batch.positions, padding_mask=batch.padding_mask)
+                ).argmax(-1)[keep]
+                for m in (draft, full)
+            ]
+            agree += int((guesses[0] == guesses[1]).sum())
+            total += int(keep.sum())
+    return agree / total
+
+
+def evaluate_model(model_dir: Path, recipe: dict, out: Path) -> list[dict]:
+    records = asyncio.run(
+        harness.run(
+            list(recipe["eval"]["domains"]),
+            recipe["eval"]["difficulties"],
+            recipe["eval"]["n"],
+            recipe["eval"]["seed"],
+            8,
+            model_dir=str(model_dir),
+            max_tokens=recipe["eval"]["max_tokens"],
+        )
+    )
+    report = harness.report(records)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    return report["summary"]
+
+
+def _size_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
+
+
+def write_card(model_dir: Path, title: str, how: str, table: str, command: str) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    params = sum(t.numel() for t in load_checkpoint(model_dir).state_dict().values())
+    card = (
+        f"# {title}\n\n{how}\n\n"
+        f"- architecture: `{config['architectures'][0]}`, {params / 1e6:.2f}M parameters, "
+        f"stored in {config['dtype']} ({_size_mb(model_dir):.1f} MB)\n"
+        f"- made by: `{command}`\n\n"
+        f"## Held-out evaluation\n\n{table}\n"
+    )
+    (model_dir / "README.md").write_text(card)
+
+
+def run_recipe(name: str, work: Path, models: Path) -> dict[str, Path]:
+    """Run recipe `name` with its stages under `work`, publish its models under `models`."""
+    src = recipe_dir(name)
+    recipe = tomllib.loads((src / "recipe.toml").read_text())
+    started = time.monotonic()
+    timings: dict[str, float] = {}
+
+    def timed(stage: str, fn):
+        t0 = time.monotonic()
+        result = fn()
+        timings[stage] = time.monotonic() - t0
+        return result
+
+    tok = timed(
+        "tokenizer",
+        lambda: build_tokenizer(
+            work / "tokenizer", recipe["tokenizer"]["vocab_size"], recipe["tokenizer"]["examples"]
+        ),
+    )
+    stages = [
+        ("pretrain", "pretrain.toml", {"tokenizer": str(tok)}),
+        ("sft-think", "sft.toml", {"init": str(work / "pretrain" / "model"), "style": "think"}),
+        ("sft-short", "sft.toml", {"init": str(work / "pretrain" / "model"), "style": "short"}),
+        ("draft", "draft.toml", {"init": str(work / "sft-think" / "model")}),
+    ]
+    for stage, file, fields in stages:
+        config = load_stage_config(src / file, **fields)
+        timed(stage, lambda config=config, stage=stage: run_stage(config, work / stage))
+    full, short, draft = (work / s / "model" for s in ("sft-think", "sft-short", "draft"))
+    published = {tier: models / f"{name}-{tier}" for tier in ("full", "highspeed", "draft")}
+    command = f"tierserve train recipe {name}"
+    tables = {}
+    for tier, model_dir in (("full", full), ("highspeed", short)):
+        rows = timed(
+            f"eval-{tier}",
+            lambda d=model_dir, t=tier: evaluate_model(d, recipe, work / f"eval-{t}.json"),
+        )
+        tables[tier] = harness.format_table(rows)
+    agreement_data = DataConfig(**recipe["draft_agreement"])
+    agreement = draft_agreement(draft, full, agreement_data, 1024)
+    hows = {
+        "full": "The full tier: the base MoE fine-tuned on step-by-step reasoning traces "
+        "(`<think>...</think>` before the answer) of the four task domains.",
+        "highspeed": "The first highspeed model: the same base fine-tuned on short direct "
+        "answers of the same tasks.",
+        "draft": f"A dense drafter distilled from `{name}-full`'s next-token distributions, "
+        "for speculative decoding. Greedy agreement with the full model on held-out "
+        f"completion tokens: {agreement:.1%}.",
+    }
+    for tier, model_dir in (("full", full), ("highspeed", short), ("draft", draft)):
+        target = published[tier]
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(model_dir, target)
+        table = tables.get(tier, "(not evaluated on the domains: a drafter, see above)")
+        write_card(target, f"{name}-{tier}", hows[tier], table, command)
+    summary = {
+        "recipe": name,
+        "minutes": (time.monotonic() - started) / 60,
+        "stage_seconds": timings,
+        "draft_agreement": agreement,
+        "sizes_mb": {tier: _size_mb(path) for tier, path in published.items()},
+        "tables": tables,
+    }
+    (work / "recipe-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in summary.items() if k != "tables"}, indent=1))
+    for tier, table in tables.items():
+        print(f"\n{name}-{tier}:\n{table}")
+    return published

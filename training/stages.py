@@ -1,0 +1,210 @@
+"""The training stages: pretrain, SFT (think or short style) and draft distillation.
+
+Each stage reads its `StageConfig`, builds (or reuses) its tokenized data under
+`OUT/data`, trains through the shared `Trainer` with checkpoints under `OUT/checkpoints`
+(rerunning the same command resumes), and exports the result as a Hugging Face directory in
+bf16 under `OUT/model`, with the loss curves and held-out evaluation tables beside it.
+"""
+
+import asyncio
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from serving.checkpoint import load_checkpoint, save_checkpoint
+from serving.config import ModelConfig
+from serving.model import CausalLM
+from serving.tokenizer import Tokenizer
+from training import eval as harness
+from training.config import ConfigError, StageConfig, TrainConfig
+from training.datasets import (
+    IGNORE,
+    Batch,
+    PretrainDataset,
+    SFTDataset,
+    build_pretrain,
+    build_sft,
+)
+from training.losses import (
+    distillation_loss_sum,
+    load_balancing_loss,
+    router_z_loss,
+    shift_labels,
+    token_loss_sum,
+)
+from training.tokenizer import EOS_TOKEN, PAD_TOKEN
+from training.trainer import EvalFn, LossFn, LossParts, Trainer, init_distributed
+
+
+def lm_loss(cfg: TrainConfig) -> LossFn:
+    """Next-token cross-entropy, plus the MoE router losses and lambda * the MTP loss."""
+
+    def loss(model: CausalLM, batch: Batch) -> LossParts:
+        router_logits: list[torch.Tensor] | None = [] if model.config.is_moe else None
+        hidden = model(
+            batch.input_ids,
+            batch.positions,
+            padding_mask=batch.padding_mask,
+            router_logits=router_logits,
+        )
+        ce_sum = token_loss_sum(model.compute_logits(hidden), batch.labels)
+        token_sum = ce_sum
+        extra = torch.zeros(())
+        metrics: dict[str, float] = {}
+        if router_logits:
+            aux = load_balancing_loss(
+                router_logits, model.config.num_experts_per_tok, batch.padding_mask
+            )
+            z = router_z_loss(router_logits, batch.padding_mask)
+            extra = cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+            metrics |= {"aux_loss": aux.item(), "z_loss": z.item()}
+        if cfg.mtp_weight and len(model.mtp):
+            mtp_logits = model.mtp_logits(
+                hidden, batch.input_ids, batch.positions, batch.padding_mask
+            )
+            mtp_sum = torch.zeros(())
+            for depth, logits in enumerate(mtp_logits, start=1):
+                mtp_sum = mtp_sum + token_loss_sum(logits, shift_labels(batch.labels, depth))
+            token_sum = token_sum + cfg.mtp_weight * mtp_sum
+            metrics["mtp_loss"] = mtp_sum.item() / max(1, batch.num_targets)
+        return LossParts(token_sum, ce_sum, extra, metrics)
+
+    return loss
+
+
+def distill_loss(teacher: CausalLM, temperature: float) -> LossFn:
+    """KL from the teacher's next-token distributions on the completion tokens."""
+
+    def loss(model: CausalLM, batch: Batch) -> LossParts:
+        with torch.no_grad():
+            t_hidden = teacher(batch.input_ids, batch.positions, padding_mask=batch.padding_mask)
+            t_logits = teacher.compute_logits(t_hidden)
+        logits = model.compute_logits(
+            model(batch.input_ids, batch.positions, padding_mask=batch.padding_mask)
+        )
+        kd = distillation_loss_sum(logits, t_logits, batch.labels, temperature)
+        keep = batch.labels != IGNORE
+        agree = (logits.argmax(-1) == t_logits.argmax(-1))[keep].float().mean()
+        ce = token_loss_sum(logits.detach(), batch.labels)
+        return LossParts(kd, ce, torch.zeros(()), {"agreement": agree.item()})
+
+    return loss
+
+
+def export(model: CausalLM, out: Path, tokenizer_dir: Path, dtype: torch.dtype) -> Path:
+    """A standalone Hugging Face directory of `model` in `dtype` (DeepSpeed's module may hold
+    its parameters in another dtype and carry hooks, so the weights are copied out)."""
+    fresh = CausalLM(model.config)
+    state = {k: v.detach().to(dtype).clone() for k, v in model.state_dict().items()}
+    fresh.load_state_dict(state, strict=False)
+    fresh.to(dtype)
+    tok = Tokenizer.from_dir(tokenizer_dir)
+    eos = tok.raw.token_to_id(EOS_TOKEN)
+    save_checkpoint(fresh, out, tokenizer_dir, generation_config={"eos_token_id": eos})
+    return out
+
+
+def harness_eval(
+    out_dir: Path, tokenizer_dir: Path, cfg: TrainConfig, domains: list[str]
+) -> EvalFn:
+    """Held-out completion rate per domain through the #3 harness and our engine, with the
+    markdown table written to `OUT/eval-step-N.md`."""
+
+    def evaluate(model: CausalLM, step: int) -> dict[str, float]:
+        snapshot = export(model, out_dir / "eval-model", tokenizer_dir, torch.float32)
+        records = asyncio.run(
+            harness.run(
+                domains,
+                cfg.eval_difficulties,
+                cfg.eval_n,
+                0,
+                8,
+                model_dir=str(snapshot),
+                max_tokens=cfg.eval_max_tokens,
+            )
+        )
+        rows = harness.summarize(records)
+        table = harness.format_table(rows)
+        (out_dir / f"eval-step-{step + 1}.md").write_text(table + "\n")
+        print(f"\nheld-out eval at step {step + 1}:\n{table}", flush=True)
+        return {r["domain"]: r["completion_rate"] for r in rows if r["difficulty"] == "all"}
+
+    return evaluate
+
+
+def _build_once(path: Path, build) -> Path:
+    """Rank 0 builds the data file if it is not there yet; the others wait for it."""
+    if dist.get_rank() == 0 and not path.exists():
+        build()
+    dist.barrier()
+    return path
+
+
+def _new_model(shape: dict, tokenizer: Tokenizer, mtp: bool, seed: int) -> CausalLM:
+    raw = dict(shape)
+    raw["vocab_size"] = tokenizer.vocab_size
+    raw["eos_token_id"] = tokenizer.raw.token_to_id(EOS_TOKEN)
+    raw["pad_token_id"] = tokenizer.raw.token_to_id(PAD_TOKEN)
+    if mtp:
+        raw["tierserve_mtp"] = {"num_layers": 1}
+    torch.manual_seed(seed)
+    model = CausalLM(ModelConfig.from_dict(raw))
+    model.init_weights()
+    return model
+
+
+def run_stage(config: StageConfig, out_dir: Path) -> Path:
+    """Train one stage into `out_dir`; returns the exported model directory."""
+    init_distributed()
+    cfg = config.train
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "stage.json").write_text(config.model_dump_json(indent=2) + "\n")
+    if config.stage in ("sft", "draft") and not config.init:
+        raise ConfigError(f"the {config.stage} stage needs `init`: a checkpoint directory")
+    tok_dir = Path(config.tokenizer or config.init or "")
+    if config.stage == "pretrain" and not config.tokenizer:
+        raise ConfigError("the pretrain stage needs `tokenizer`: a directory with tokenizer.json")
+    tokenizer = Tokenizer.from_dir(tok_dir)
+    pad_id = tokenizer.raw.token_to_id(PAD_TOKEN)
+    data_dir = out_dir / "data"
+    domains = list(config.data.mix)
+    if config.stage == "pretrain":
+        if config.shape is None:
+            raise ConfigError("the pretrain stage needs `shape`: the model's config.json fields")
+        path = _build_once(
+            data_dir / "tokens.npy",
+            lambda: build_pretrain(config.data, tokenizer, data_dir / "tokens.npy"),
+        )
+        dataset = PretrainDataset(path, cfg.seq_len)
+        model = _new_model(config.shape, tokenizer, cfg.mtp_weight > 0, cfg.seed)
+        loss = lm_loss(cfg)
+    else:
+        style = "think" if config.stage == "draft" else config.style
+        path = _build_once(
+            data_dir / f"sft-{style}.jsonl",
+            lambda: build_sft(
+                config.data, style, tokenizer, data_dir / f"sft-{style}.jsonl", cfg.seq_len
+            ),
+        )
+        dataset = SFTDataset(path, pad_id)
+        if config.stage == "sft":
+            model = load_checkpoint(config.init)
+            loss = lm_loss(cfg)
+        else:
+            if config.shape is None:
+                raise ConfigError("the draft stage needs `shape`: the drafter's config.json fields")
+            model = _new_model(config.shape, tokenizer, False, cfg.seed)
+            loss = distill_loss(load_checkpoint(config.init), config.kd_temperature)
+    evaluate = harness_eval(out_dir, tok_dir, cfg, domains) if config.stage == "sft" else None
+    trainer = Trainer(model, cfg, dataset, out_dir, loss, evaluate, desc=config.stage)
+    model = trainer.fit()
+    final = out_dir / "model"
+    if dist.get_rank() == 0:
+        export(model, final, tok_dir, torch.bfloat16)
+        summary = {"stage": config.stage, "style": config.style, "log_tail": trainer.log[-1]}
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    dist.barrier()
+    return final
