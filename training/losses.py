@@ -21,21 +21,21 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def load_balancing_loss(
     router_logits: list[torch.Tensor], top_k: int, token_mask: torch.Tensor
 ) -> torch.Tensor:
-    """Switch Transformer's auxiliary loss, as Mixtral uses it: per layer
-    E * sum_e f_e * P_e, with f_e the share of top-k slots routed to expert e and P_e the mean
-    router probability of e over real tokens; averaged over layers. Equal to top_k when the
-    routing is perfectly balanced, larger when it is not."""
+    """Switch Transformer's auxiliary loss as Qwen3-MoE (and Mixtral) train with it:
+    E * sum_e f_e * P_e, with f_e the top-k slots routed to expert e per real token and P_e
+    its mean router probability, both pooled over all sparse layers. Equals top_k when the
+    routing is perfectly balanced, more when it is not."""
     mask = token_mask.flatten().float()
-    real = mask.sum().clamp(min=1)
-    total = router_logits[0].new_zeros((), dtype=torch.float32)
+    num_experts = router_logits[0].shape[-1]
+    slots = torch.zeros(num_experts)
+    prob = torch.zeros(num_experts)
     for logits in router_logits:
-        num_experts = logits.shape[-1]
         probs = logits.float().softmax(-1)
         chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).sum(1).float()
-        share = (chosen * mask[:, None]).sum(0) / real  # top-k slots per token, per expert
-        mean_prob = (probs * mask[:, None]).sum(0) / real
-        total = total + num_experts * (share * mean_prob).sum()
-    return total / len(router_logits)
+        slots = slots + (chosen * mask[:, None]).sum(0)
+        prob = prob + (probs * mask[:, None]).sum(0)
+    rows = (mask.sum() * len(router_logits)).clamp(min=1)
+    return num_experts * ((slots / rows) * (prob / rows)).sum()
 
 
 def router_z_loss(router_logits: list[torch.Tensor], token_mask: torch.Tensor) -> torch.Tensor:
