@@ -98,7 +98,7 @@ def export(model: CausalLM, out: Path, tokenizer_dir: Path, dtype: torch.dtype) 
     its parameters in another dtype and carry hooks, so the weights are copied out)."""
     fresh = CausalLM(model.config)
     state = {k: v.detach().to(dtype).clone() for k, v in model.state_dict().items()}
-    fresh.load_state_dict(state, strict=False)
+    fresh.load_state_dict(state)
     fresh.to(dtype)
     tok = Tokenizer.from_dir(tokenizer_dir)
     eos = tok.raw.token_to_id(EOS_TOKEN)
