@@ -13,13 +13,25 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from router.learned import RouterFileError
+from router.outcomes import OutcomeError
 from serving.config import CheckpointError
 from serving.engine import EngineConfig, EngineInputError, LLMEngine
+from serving.gateway_config import ConfigError
 from serving.sampling_params import SamplingParams
 from serving.tokenizer import TokenizerError
 
 # Errors that mean "bad input", not "bug".
-USER_ERRORS = (CheckpointError, TokenizerError, EngineInputError, OSError, json.JSONDecodeError)
+USER_ERRORS = (
+    CheckpointError,
+    TokenizerError,
+    EngineInputError,
+    OSError,
+    json.JSONDecodeError,
+    ConfigError,
+    RouterFileError,
+    OutcomeError,
+)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -138,6 +150,11 @@ def add_sandbox(sub: argparse._SubParsersAction) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> None:
+    if args.what == "router":
+        run_eval_router(args)
+        return
+    if args.model is None and args.url is None and args.reference is None:
+        args.parser.error("one of --model, --url or --reference is required")
     from training import eval as harness
 
     records = asyncio.run(
@@ -171,8 +188,21 @@ def run_eval(args: argparse.Namespace) -> None:
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("eval", help="score a model on held-out tasks of the domains")
-    target = parser.add_mutually_exclusive_group(required=True)
+    parser = sub.add_parser(
+        "eval",
+        help="score a model on held-out tasks of the domains (or, `eval router`, the routers)",
+    )
+    parser.add_argument(
+        "what",
+        nargs="?",
+        choices=["router"],
+        help="`router`: the routers' quality-vs-cost curves on paired outcomes",
+    )
+    _add_outcome_args(parser, required=False)
+    parser.add_argument(
+        "--router", type=Path, default=Path("models/router.npz"), help="a learned router"
+    )
+    target = parser.add_mutually_exclusive_group()
     target.add_argument("--model", type=Path, help="a checkpoint directory, served in process")
     target.add_argument("--url", help="an OpenAI-compatible API root, e.g. http://host:8100/v1")
     target.add_argument(
@@ -192,15 +222,104 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-drop", type=float, default=5.0, help="allowed drop in completion, in points"
     )
-    parser.set_defaults(run=run_eval)
+    parser.set_defaults(run=run_eval, parser=parser)
+
+
+def _add_outcome_args(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument(
+        "--full", type=Path, required=required, help="`tierserve eval --json` of the full tier"
+    )
+    parser.add_argument(
+        "--highspeed",
+        type=Path,
+        required=required,
+        help="`tierserve eval --json` of the highspeed tier, on the same tasks",
+    )
+
+
+def run_eval_router(args: argparse.Namespace) -> None:
+    from router.evaluation import curve, format_report, random_curve
+    from router.heuristic import HeuristicPolicy, LengthPolicy
+    from router.learned import LearnedPolicy
+    from router.outcomes import load_outcomes
+
+    if args.full is None or args.highspeed is None:
+        args.parser.error("eval router needs --full and --highspeed")
+    outcomes = load_outcomes(args.full, args.highspeed)
+    policies = [HeuristicPolicy(), LengthPolicy()]
+    if args.router.exists():
+        policies.insert(0, LearnedPolicy.load(args.router))
+    else:
+        print(f"no learned router at {args.router}: evaluating the baselines only")
+    curves = [curve(p.name, [p.score(o.request) for o in outcomes], outcomes) for p in policies]
+    print(format_report([*curves, random_curve(len(outcomes))], outcomes))
+
+
+def run_train_router(args: argparse.Namespace) -> None:
+    from router.learned import train
+    from router.outcomes import load_outcomes
+
+    outcomes = load_outcomes(args.full, args.highspeed)
+    failed = [not o.highspeed_passed for o in outcomes]
+    policy = train([o.request for o in outcomes], failed, args.target_full_share)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    policy.save(args.out)
+    scores = [policy.score(o.request) for o in outcomes]
+    accuracy = sum((s >= 0.5) == f for s, f in zip(scores, failed, strict=True)) / len(failed)
+    share = sum(s >= policy.threshold for s in scores) / len(scores)
+    print(
+        f"{args.out}: {len(outcomes)} paired tasks, highspeed failed {sum(failed)}; "
+        f"training accuracy {100 * accuracy:.1f}%; threshold {policy.threshold:.4f} sends "
+        f"{100 * share:.1f}% to full (target {100 * args.target_full_share:.0f}%)"
+    )
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("train", help="train a component")
+    actions = parser.add_subparsers(required=True, metavar="WHAT")
+    router = actions.add_parser(
+        "router", help="train the learned router on both tiers' eval outcomes"
+    )
+    _add_outcome_args(router, required=True)
+    router.add_argument("--out", type=Path, default=Path("models/router.npz"))
+    router.add_argument(
+        "--target-full-share",
+        type=float,
+        default=0.5,
+        help="the share of requests the calibrated threshold sends to the full tier",
+    )
+    router.set_defaults(run=run_train_router)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    from serving.gateway import serve_gateway
+    from serving.gateway_config import load_config
+
+    config = load_config(args.config)
+    updates = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    config = config.model_validate(config.model_dump() | updates)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    serve_gateway(config)
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "serve", help="serve the gateway over both tiers (starting embedded tiers)"
+    )
+    parser.add_argument("--config", type=Path, help="YAML or JSON (default: the shipped tiers)")
+    parser.add_argument("--host", help="overrides the config's host (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="overrides the config's port (default 8000)")
+    parser.set_defaults(run=run_serve)
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_serve,
     add_engine,
     add_generate,
     add_init_checkpoint,
     add_sandbox,
     add_eval,
+    add_train,
 ]
 
 
