@@ -7,7 +7,6 @@ It is trained on `tierserve eval` outcomes of both tiers on the same prompts and
 one `.npz` file with its calibrated threshold.
 """
 
-import itertools
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,15 +19,16 @@ from router.features import FEATURE_NAMES, RouteRequest, features
 from router.policy import sigmoid
 
 HASH_BUCKETS = 1 << 16
+_BIGRAM_MULTIPLIER = np.uint64(1_000_003)
 
 
 def ngram_buckets(request: RouteRequest) -> np.ndarray:
-    """The distinct hash buckets of the request's unigrams and bigrams."""
+    """The distinct hash buckets of the request's unigrams and bigrams. A bigram's hash
+    combines its words' crc32s, so each word is hashed once."""
     words = request.words
-    grams = words + [f"{a} {b}" for a, b in itertools.pairwise(words)]
-    return np.unique(
-        np.fromiter((zlib.crc32(g.encode()) % HASH_BUCKETS for g in grams), np.int64, len(grams))
-    )
+    unigrams = np.fromiter((zlib.crc32(w.encode()) for w in words), np.uint64, len(words))
+    bigrams = (unigrams[:-1] * _BIGRAM_MULTIPLIER + unigrams[1:] + 1) & 0xFFFFFFFF
+    return np.unique(np.concatenate([unigrams, bigrams]) % HASH_BUCKETS).astype(np.int64)
 
 
 def dense_features(request: RouteRequest) -> np.ndarray:
