@@ -299,6 +299,7 @@ def run_serve(args: argparse.Namespace) -> None:
     updates = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     config = config.model_validate(config.model_dump() | updates)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call
     serve_gateway(config)
 
 

@@ -9,7 +9,16 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    HttpUrl,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 Seconds = Annotated[float, Field(gt=0)]
@@ -53,7 +62,17 @@ class RemoteTier(_Strict):
         return self.model
 
 
-TierConfig = Annotated[EmbeddedTier | RemoteTier, Field(discriminator="engine")]
+def _engine(value: object) -> str:
+    """The tier's kind; `engine` may be left out for an embedded tier."""
+    if isinstance(value, dict):
+        return value.get("engine", "embedded")
+    return getattr(value, "engine", "embedded")
+
+
+TierConfig = Annotated[
+    Annotated[EmbeddedTier, Tag("embedded")] | Annotated[RemoteTier, Tag("remote")],
+    Discriminator(_engine),
+]
 
 
 class Tiers(_Strict):
