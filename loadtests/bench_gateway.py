@@ -1,0 +1,249 @@
+"""What the gateway costs: the same requests through `tierserve serve` and directly to its
+tier, at concurrency 1 and 32, in one run.
+
+One `tierserve serve` process supervises two embedded tiers on one checkpoint (a fresh
+random one unless --model says otherwise; 1 torch thread each). The router runs on every
+request (the heuristic with threshold 0, so every request is scored and lands on the full
+tier, which is also the tier asked directly). Requests are greedy with `ignore_eos`, so
+both paths do exactly the same work.
+
+- concurrency 1: each request is sent directly, then through the gateway, in turn; the
+  added latency is the per-pair difference (p50, p99), so drift in machine load cancels.
+- concurrency N: direct and gateway phases alternate (twice each); throughput is output
+  tokens over wall time, and the added latency the difference of the two distributions.
+
+Also prints the gateway's own overhead histogram (parse, route, annotate) and the router's
+cost per request. Run:
+
+    python loadtests/bench_gateway.py [--model DIR] [--stream] [--max-tokens 32]
+"""
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.features import route_request
+from router.heuristic import HeuristicPolicy
+from serving.upstream import free_port
+
+WORDS = "the quick brown fox jumps over a lazy dog while counting 17 * 23 apples".split()  # noqa: SIM905
+
+
+def make_prompts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(WORDS, k=rng.randint(8, 64))) for _ in range(n)]
+
+
+def start_gateway(model: Path, workdir: Path) -> tuple[subprocess.Popen, str, str]:
+    port = free_port()
+    tier = {"model": str(model), "threads": 1}
+    config = {
+        "port": port,
+        "tiers": {"full": tier | {"served_model_name": "bench-full"},
+                  "highspeed": tier | {"served_model_name": "bench-fast"}},
+        "router": {"policy": "heuristic", "threshold": 0.0, "spill": {"enabled": False}},
+    }  # fmt: skip
+    path = workdir / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = (workdir / "gateway.log").open("w")
+    command = [sys.executable, "-c", "from serving.cli import main; main()", "serve"]
+    process = subprocess.Popen([*command, "--config", str(path)], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the gateway did not start; see {workdir / 'gateway.log'}")
+        try:
+            health = httpx.get(f"{url}/health", timeout=2).json()
+            if health["status"] == "ok":
+                return process, url, health["tiers"]["full"]["url"].removesuffix("/v1")
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+
+
+class Target:
+    def __init__(self, name: str, root: str, model: str, client: httpx.AsyncClient) -> None:
+        self.name, self.url, self.model, self.client = (
+            name,
+            f"{root}/v1/chat/completions",
+            model,
+            client,
+        )
+
+    async def request(self, prompt: str, max_tokens: int, stream: bool) -> tuple[float, int]:
+        """Latency in seconds and output tokens of one request."""
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+        start = time.perf_counter()
+        if stream:
+            async with self.client.stream("POST", self.url, json=body) as response:
+                response.raise_for_status()
+                async for _ in response.aiter_raw():
+                    pass
+        else:
+            response = await self.client.post(self.url, json=body)
+            response.raise_for_status()
+        return time.perf_counter() - start, max_tokens
+
+
+async def phase(target: Target, prompts: list[str], concurrency: int, max_tokens: int,
+                stream: bool) -> tuple[list[float], int, float]:  # fmt: skip
+    """Latencies, output tokens and wall time of the prompts at `concurrency`."""
+    queue = list(reversed(prompts))
+    latencies: list[float] = []
+    tokens = 0
+
+    async def worker() -> None:
+        nonlocal tokens
+        while queue:
+            latency, n = await target.request(queue.pop(), max_tokens, stream)
+            latencies.append(latency)
+            tokens += n
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies, tokens, time.perf_counter() - start
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def overhead_seconds(url: str) -> tuple[float, float]:
+    """Count and sum of the gateway's own overhead histogram."""
+    text = httpx.get(f"{url}/metrics").text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("tierserve_gateway_overhead_seconds_"):
+                values[s.name.rsplit("_", 1)[1]] = s.value
+    return values["count"], values["sum"]
+
+
+def router_cost_us(prompts: list[str]) -> tuple[float, float]:
+    policy = HeuristicPolicy()
+    timings = []
+    for prompt in prompts * 20:
+        start = time.perf_counter()
+        policy.score(route_request({"messages": [{"role": "user", "content": prompt}]}))
+        timings.append(time.perf_counter() - start)
+    return 1e6 * percentile(timings, 50), 1e6 * percentile(timings, 99)
+
+
+async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid: int) -> None:
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        direct = Target("direct", tier_root, "bench-full", client)
+        gateway = Target("gateway", url, "auto", client)
+        prompts = make_prompts(args.requests)
+        await phase(direct, prompts[:4], 4, args.max_tokens, args.stream)  # warm up both
+        await phase(gateway, prompts[:4], 4, args.max_tokens, args.stream)
+        rows = []
+        gateway_cpu, gateway_requests = 0.0, 0
+        for concurrency in args.concurrency:
+            if concurrency == 1:
+                pairs = []
+                for prompt in prompts[: args.pairs]:
+                    d, _ = await direct.request(prompt, args.max_tokens, args.stream)
+                    g, _ = await gateway.request(prompt, args.max_tokens, args.stream)
+                    pairs.append((d, g))
+                added = [g - d for d, g in pairs]
+                lat = {"direct": [d for d, _ in pairs], "gateway": [g for _, g in pairs]}
+                tput = {k: len(v) * args.max_tokens / sum(v) for k, v in lat.items()}
+                added_p50, added_p99 = percentile(added, 50), percentile(added, 99)
+            else:
+                lat = {"direct": [], "gateway": []}
+                tokens = {"direct": 0, "gateway": 0}
+                wall = {"direct": 0.0, "gateway": 0.0}
+                for _ in range(2):
+                    for target in (direct, gateway):
+                        cpu = cpu_seconds(gateway_pid)
+                        latencies, n, seconds = await phase(
+                            target, prompts, concurrency, args.max_tokens, args.stream
+                        )
+                        if target is gateway:
+                            gateway_cpu += cpu_seconds(gateway_pid) - cpu
+                            gateway_requests += len(latencies)
+                        lat[target.name] += latencies
+                        tokens[target.name] += n
+                        wall[target.name] += seconds
+                tput = {k: tokens[k] / wall[k] for k in tokens}
+                added_p50 = percentile(lat["gateway"], 50) - percentile(lat["direct"], 50)
+                added_p99 = percentile(lat["gateway"], 99) - percentile(lat["direct"], 99)
+            rows.append((concurrency, lat, tput, added_p50, added_p99))
+    mode = "streaming" if args.stream else "whole responses"
+    print(f"\n{mode}, {args.max_tokens} output tokens per request, greedy\n")
+    print("| concurrency | direct p50 ms | gateway p50 ms | added p50 ms | added p99 ms "
+          "| direct tok/s | gateway tok/s | throughput ratio |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for concurrency, lat, tput, added_p50, added_p99 in rows:
+        print(
+            f"| {concurrency} | {1000 * percentile(lat['direct'], 50):.1f} "
+            f"| {1000 * percentile(lat['gateway'], 50):.1f} | {1000 * added_p50:.2f} "
+            f"| {1000 * added_p99:.2f} | {tput['direct']:.0f} | {tput['gateway']:.0f} "
+            f"| {tput['gateway'] / tput['direct']:.3f} |"
+        )
+    count, total = overhead_seconds(url)
+    p50, p99 = router_cost_us(prompts)
+    print(
+        f"\ngateway's own overhead (parse, route, annotate): mean {1e6 * total / count:.0f} µs "
+        f"over {count:.0f} requests; router alone p50 {p50:.0f} µs, p99 {p99:.0f} µs"
+    )
+    if gateway_requests:
+        print(
+            f"gateway process CPU (uvicorn, FastAPI, httpx, routing): "
+            f"{1000 * gateway_cpu / gateway_requests:.2f} ms per request at concurrency > 1"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="checkpoint (default: a fresh random one)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--requests", type=int, default=128, help="per phase at concurrency N")
+    parser.add_argument("--pairs", type=int, default=40, help="request pairs at concurrency 1")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--stream", action="store_true", help="stream the answers")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        model = args.model
+        if model is None:
+            from training.init_checkpoint import init_checkpoint
+
+            model = init_checkpoint(workdir / "bench-moe")
+        process, url, tier_root = start_gateway(model, workdir)
+        try:
+            asyncio.run(bench(args, url, tier_root, process.pid))
+        finally:
+            os.kill(process.pid, signal.SIGTERM)
+            process.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()
