@@ -41,9 +41,18 @@ from serving.upstream import free_port
 WORDS = "the quick brown fox jumps over a lazy dog while counting 17 * 23 apples".split()  # noqa: SIM905
 
 
-def make_prompts(n: int, seed: int = 0) -> list[str]:
+Job = tuple[str, int]  # a prompt and its max_tokens
+
+
+def make_jobs(n: int, max_tokens: int, seed: int = 0) -> list[Job]:
+    """Prompts of 8-64 words, each asking for max_tokens / 2 to 3 * max_tokens / 2 tokens (so
+    requests finish at different steps, as real traffic does)."""
     rng = random.Random(seed)
-    return [" ".join(rng.choices(WORDS, k=rng.randint(8, 64))) for _ in range(n)]
+    return [
+        (" ".join(rng.choices(WORDS, k=rng.randint(8, 64))),
+         rng.randint(max_tokens // 2, 3 * max_tokens // 2))
+        for _ in range(n)
+    ]  # fmt: skip
 
 
 def start_gateway(model: Path, workdir: Path) -> tuple[subprocess.Popen, str, str]:
@@ -83,8 +92,9 @@ class Target:
             client,
         )
 
-    async def request(self, prompt: str, max_tokens: int, stream: bool) -> tuple[float, int]:
+    async def request(self, job: Job, stream: bool) -> tuple[float, int]:
         """Latency in seconds and output tokens of one request."""
+        prompt, max_tokens = job
         body = {
             "model": self.model,
             "messages": [{"role": "user", "content": prompt}],
@@ -105,17 +115,18 @@ class Target:
         return time.perf_counter() - start, max_tokens
 
 
-async def phase(target: Target, prompts: list[str], concurrency: int, max_tokens: int,
-                stream: bool) -> tuple[list[float], int, float]:  # fmt: skip
-    """Latencies, output tokens and wall time of the prompts at `concurrency`."""
-    queue = list(reversed(prompts))
+async def phase(
+    target: Target, jobs: list[Job], concurrency: int, stream: bool
+) -> tuple[list[float], int, float]:
+    """Latencies, output tokens and wall time of the jobs at `concurrency`."""
+    queue = list(reversed(jobs))
     latencies: list[float] = []
     tokens = 0
 
     async def worker() -> None:
         nonlocal tokens
         while queue:
-            latency, n = await target.request(queue.pop(), max_tokens, stream)
+            latency, n = await target.request(queue.pop(), stream)
             latencies.append(latency)
             tokens += n
 
@@ -145,10 +156,10 @@ def overhead_seconds(url: str) -> tuple[float, float]:
     return values["count"], values["sum"]
 
 
-def router_cost_us(prompts: list[str]) -> tuple[float, float]:
+def router_cost_us(jobs: list[Job]) -> tuple[float, float]:
     policy = HeuristicPolicy()
     timings = []
-    for prompt in prompts * 20:
+    for prompt, _ in jobs * 20:
         start = time.perf_counter()
         policy.score(route_request({"messages": [{"role": "user", "content": prompt}]}))
         timings.append(time.perf_counter() - start)
@@ -160,21 +171,24 @@ async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid:
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         direct = Target("direct", tier_root, "bench-full", client)
         gateway = Target("gateway", url, "auto", client)
-        prompts = make_prompts(args.requests)
-        await phase(direct, prompts[:4], 4, args.max_tokens, args.stream)  # warm up both
-        await phase(gateway, prompts[:4], 4, args.max_tokens, args.stream)
+        jobs = make_jobs(args.requests, args.max_tokens)
+        await phase(direct, jobs[:4], 4, args.stream)  # warm up both
+        await phase(gateway, jobs[:4], 4, args.stream)
         rows = []
         gateway_cpu, gateway_requests = 0.0, 0
         for concurrency in args.concurrency:
             if concurrency == 1:
                 pairs = []
-                for prompt in prompts[: args.pairs]:
-                    d, _ = await direct.request(prompt, args.max_tokens, args.stream)
-                    g, _ = await gateway.request(prompt, args.max_tokens, args.stream)
-                    pairs.append((d, g))
+                for i, job in enumerate(jobs[: args.pairs]):
+                    # Alternate which goes first, so neither gains from a warm cache.
+                    first, second = (direct, gateway) if i % 2 else (gateway, direct)
+                    a, _ = await first.request(job, args.stream)
+                    b, _ = await second.request(job, args.stream)
+                    pairs.append((a, b) if first is direct else (b, a))
                 added = [g - d for d, g in pairs]
                 lat = {"direct": [d for d, _ in pairs], "gateway": [g for _, g in pairs]}
-                tput = {k: len(v) * args.max_tokens / sum(v) for k, v in lat.items()}
+                tokens = sum(n for _, n in jobs[: args.pairs])
+                tput = {k: tokens / sum(v) for k, v in lat.items()}
                 added_p50, added_p99 = percentile(added, 50), percentile(added, 99)
             else:
                 lat = {"direct": [], "gateway": []}
@@ -183,9 +197,7 @@ async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid:
                 for _ in range(2):
                     for target in (direct, gateway):
                         cpu = cpu_seconds(gateway_pid)
-                        latencies, n, seconds = await phase(
-                            target, prompts, concurrency, args.max_tokens, args.stream
-                        )
+                        latencies, n, seconds = await phase(target, jobs, concurrency, args.stream)
                         if target is gateway:
                             gateway_cpu += cpu_seconds(gateway_pid) - cpu
                             gateway_requests += len(latencies)
@@ -197,7 +209,10 @@ async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid:
                 added_p99 = percentile(lat["gateway"], 99) - percentile(lat["direct"], 99)
             rows.append((concurrency, lat, tput, added_p50, added_p99))
     mode = "streaming" if args.stream else "whole responses"
-    print(f"\n{mode}, {args.max_tokens} output tokens per request, greedy\n")
+    print(
+        f"\n{mode}, {args.max_tokens // 2}-{3 * args.max_tokens // 2} output tokens per "
+        "request, greedy\n"
+    )
     print("| concurrency | direct p50 ms | gateway p50 ms | added p50 ms | added p99 ms "
           "| direct tok/s | gateway tok/s | throughput ratio |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
@@ -209,7 +224,7 @@ async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid:
             f"| {tput['gateway'] / tput['direct']:.3f} |"
         )
     count, total = overhead_seconds(url)
-    p50, p99 = router_cost_us(prompts)
+    p50, p99 = router_cost_us(jobs)
     print(
         f"\ngateway's own overhead (parse, route, annotate): mean {1e6 * total / count:.0f} µs "
         f"over {count:.0f} requests; router alone p50 {p50:.0f} µs, p99 {p99:.0f} µs"
@@ -226,7 +241,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="checkpoint (default: a fresh random one)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--requests", type=int, default=128, help="per phase at concurrency N")
-    parser.add_argument("--pairs", type=int, default=40, help="request pairs at concurrency 1")
+    parser.add_argument("--pairs", type=int, default=64, help="request pairs at concurrency 1")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--stream", action="store_true", help="stream the answers")
     args = parser.parse_args()

@@ -7,18 +7,19 @@ field in whole responses. Streams pass through byte for byte (only the usage eve
 gateway itself asked for is dropped), so a streamed answer is the tier's own.
 """
 
-import json
 import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router.cascade import validate_answer
 from router.override import AUTO_MODEL, TIER_HEADER, OverrideError
@@ -67,6 +68,27 @@ class CompletionBody(_Body):
 class TokenizerBody(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
+
+
+async def read_body(request: Request, shape: type[BaseModel]) -> dict[str, Any]:
+    """The JSON body as the client sent it, checked against `shape` (the fields routing
+    needs) but not copied through a model: what goes upstream is the client's own body."""
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
+        raise APIError(400, f"The request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    try:
+        shape.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from e
+    return body
+
+
+def annotated(content: bytes, annotation: dict[str, Any]) -> bytes:
+    """The tier's JSON object with one more field, its own bytes otherwise untouched."""
+    return content.rstrip()[:-1] + b', "tierserve": ' + orjson.dumps(annotation) + b"}"
 
 
 class Gateway:
@@ -166,26 +188,31 @@ class Gateway:
             )
         await result.close()
         after = time.perf_counter()
-        data = json.loads(result.response.content)
+        content = result.response.content
+        data = orjson.loads(content)
         if self.config.router.cascade.enabled:
-            data = await self._cascade(record, path, body, data)
+            content, data = await self._cascade(record, path, body, content, data)
         record.usage = data.get("usage")
-        data["tierserve"] = record.annotation()
-        content = json.dumps(data, ensure_ascii=False).encode()
+        content = annotated(content, record.annotation())
         self.metrics.overhead.observe(overhead + time.perf_counter() - after)
         record.finish("success", 200)
         return Response(content, 200, headers=record.headers(), media_type="application/json")
 
     async def _cascade(
-        self, record: RequestRecord, path: str, body: dict[str, Any], data: dict[str, Any]
-    ) -> dict[str, Any]:
+        self,
+        record: RequestRecord,
+        path: str,
+        body: dict[str, Any],
+        content: bytes,
+        data: dict[str, Any],
+    ) -> tuple[bytes, dict[str, Any]]:
         """Escalate a routed highspeed answer that fails validation to the full tier; if the
         full tier cannot answer, the highspeed answer stands."""
         if record.decision.tier != "highspeed" or record.decision.policy == "override":
-            return data
+            return content, data
         failure = validate_answer(body, data)
         if failure is None:
-            return data
+            return content, data
         self.metrics.cascade_escalations.labels(failure).inc()
         self.metrics.usage("highspeed", data.get("usage") or {})  # spent, though not used
         escalated = record.decision.moved("full", "cascade")
@@ -197,12 +224,12 @@ class Gateway:
             )
         except UpstreamFailure as e:
             self.metrics.upstream_errors.labels("full", e.cause).inc()
-            return data
+            return content, data
         await result.close()
         if result.response.status_code != 200:
-            return data
+            return content, data
         record.decision = escalated
-        return json.loads(result.response.content)
+        return result.response.content, orjson.loads(result.response.content)
 
     async def forward_tokenizer(self, path: str, body: dict[str, Any]) -> Response:
         """/tokenize and /detokenize, answered by the named tier (the full tier for `auto`;
@@ -278,8 +305,10 @@ def build_gateway_app(config: GatewayConfig) -> FastAPI:
         )
 
     @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionBody) -> Response:
-        return await gateway.generate(request, "/completions", body.model_dump(exclude_unset=True))
+    async def completions(request: Request) -> Response:
+        return await gateway.generate(
+            request, "/completions", await read_body(request, CompletionBody)
+        )
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

@@ -8,7 +8,6 @@ After it, a broken upstream ends the client's stream with an OpenAI error event:
 that has begun is never restarted, since the client has already seen part of an answer.
 """
 
-import json
 import logging
 import re
 import time
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 
 from router.policy import Decision, Tier
 from serving.gateway_metrics import GatewayMetrics
@@ -95,7 +95,7 @@ def upstream_payload(body: dict[str, Any], model: str) -> bytes:
     body = dict(body, model=model)
     if body.get("stream"):
         body["stream_options"] = dict(body.get("stream_options") or {}, include_usage=True)
-    return json.dumps(body, ensure_ascii=False).encode()
+    return orjson.dumps(body)
 
 
 def client_wants_usage(body: dict[str, Any]) -> bool:
@@ -186,7 +186,7 @@ async def relay(attempt: Attempt, record: RequestRecord, strip_usage: bool) -> A
             out = []
             for event in events:
                 if _USAGE_EVENT.search(event) and event.startswith(b"data: "):
-                    data = json.loads(event[6:])
+                    data = orjson.loads(event[6:])
                     record.usage = data["usage"]
                     if strip_usage and not data.get("choices"):
                         continue
