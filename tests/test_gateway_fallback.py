@@ -3,7 +3,9 @@ byte, never after it, one outcome per request, pass-through of tier errors, bad 
 spill, cascade and usage accounting."""
 
 import json
+import re
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -270,3 +272,19 @@ async def test_health_reports_tiers_and_policy(client):
     assert body["tiers"]["full"]["state"] == "restarting"
     routed = await client.post("/v1/chat/completions", json=CHAT | {"model": "full"})
     assert routed.headers["x-tierserve-reason"] == "tier_down"
+
+
+def test_dashboard_plots_only_metrics_that_exist(client):
+    """Every gateway metric the Grafana dashboard queries is exported (tier engine metrics
+    are checked against serving/metrics.py)."""
+    dashboard = (Path(__file__).parents[1] / "serving/dashboards/gateway.json").read_text()
+    queried = set(re.findall(r"tierserve_\w+", dashboard))
+    exported = gateway_app(client).state.gateway.metrics.render().decode()
+    engine_source = (Path(__file__).parents[1] / "serving/metrics.py").read_text()
+    suffixes = r"(_bucket|_total|_count|_sum)$"
+    for name in queried:
+        family = re.sub(suffixes, "", name)
+        if name.startswith("tierserve_gateway_"):
+            assert re.search(rf"^# TYPE {family}(_total)? ", exported, re.M), name
+        else:
+            assert f'"{family.removeprefix("tierserve_")}' in engine_source, name
