@@ -7,10 +7,12 @@ request (the heuristic with threshold 0, so every request is scored and lands on
 tier, which is also the tier asked directly). Requests are greedy with `ignore_eos`, so
 both paths do exactly the same work.
 
-- concurrency 1: each request is sent directly, then through the gateway, in turn; the
-  added latency is the per-pair difference (p50, p99), so drift in machine load cancels.
+- concurrency 1: each request is sent directly, through the gateway and directly again (in a
+  rotating order); the added latency is the per-request difference (p50, p99), so drift in
+  machine load cancels, and the direct-direct difference shows the noise floor (A/A).
 - concurrency N: direct and gateway phases alternate (twice each); throughput is output
-  tokens over wall time, and the added latency the difference of the two distributions.
+  tokens over wall time, the added latency the difference of the two distributions, and
+  the two direct phases compared with each other give the noise floor.
 
 Also prints the gateway's own overhead histogram (parse, route, annotate) and the router's
 cost per request. Run:
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -166,6 +169,71 @@ def router_cost_us(jobs: list[Job]) -> tuple[float, float]:
     return 1e6 * percentile(timings, 50), 1e6 * percentile(timings, 99)
 
 
+@dataclass
+class Row:
+    concurrency: int
+    direct: list[float]  # latencies, s
+    gateway: list[float]
+    added: tuple[float, float]  # p50, p99 of what the gateway adds, s
+    noise: tuple[float, float]  # the same measured between two direct runs (A/A), s
+    throughput: tuple[float, float]  # direct, gateway tok/s
+    noise_ratio: float  # throughput of one direct run over the other
+
+
+async def sequential(direct: Target, gateway: Target, jobs: list[Job], stream: bool) -> Row:
+    """Concurrency 1: each job direct, through the gateway, and direct again, in a rotating
+    order; differences within a job cancel drift in machine load."""
+    runs: list[dict[str, float]] = []
+    for i, job in enumerate(jobs):
+        order = [("direct", direct), ("gateway", gateway), ("again", direct)]
+        order = order[i % 3 :] + order[: i % 3]
+        runs.append({name: (await target.request(job, stream))[0] for name, target in order})
+    tokens = sum(n for _, n in jobs)
+    added = [r["gateway"] - r["direct"] for r in runs]
+    noise = [r["again"] - r["direct"] for r in runs]
+
+    def tput(name: str) -> float:
+        return tokens / sum(r[name] for r in runs)
+
+    return Row(
+        1,
+        [r["direct"] for r in runs],
+        [r["gateway"] for r in runs],
+        (percentile(added, 50), percentile(added, 99)),
+        (percentile(noise, 50), percentile(noise, 99)),
+        (tput("direct"), tput("gateway")),
+        tput("again") / tput("direct"),
+    )
+
+
+async def alternating(
+    direct: Target, gateway: Target, jobs: list[Job], concurrency: int, stream: bool, pid: int
+) -> tuple[Row, float]:
+    """Concurrency N: direct and gateway phases alternate, twice each. Also returns the
+    gateway process's CPU seconds per request."""
+    phases: dict[str, list[tuple[list[float], int, float]]] = {"direct": [], "gateway": []}
+    cpu = 0.0
+    for _ in range(2):
+        for target in (direct, gateway):
+            before = cpu_seconds(pid)
+            phases[target.name].append(await phase(target, jobs, concurrency, stream))
+            if target is gateway:
+                cpu += cpu_seconds(pid) - before
+    lat = {k: [x for p in v for x in p[0]] for k, v in phases.items()}
+    tput = {k: sum(p[1] for p in v) / sum(p[2] for p in v) for k, v in phases.items()}
+    (first, n1, t1), (second, n2, t2) = phases["direct"]
+    row = Row(
+        concurrency,
+        lat["direct"],
+        lat["gateway"],
+        tuple(percentile(lat["gateway"], q) - percentile(lat["direct"], q) for q in (50, 99)),
+        tuple(percentile(second, q) - percentile(first, q) for q in (50, 99)),
+        (tput["direct"], tput["gateway"]),
+        (n2 / t2) / (n1 / t1),
+    )  # type: ignore[arg-type]
+    return row, cpu / len(lat["gateway"])
+
+
 async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid: int) -> None:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -174,54 +242,33 @@ async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid:
         jobs = make_jobs(args.requests, args.max_tokens)
         await phase(direct, jobs[:4], 4, args.stream)  # warm up both
         await phase(gateway, jobs[:4], 4, args.stream)
-        rows = []
-        gateway_cpu, gateway_requests = 0.0, 0
+        rows, cpu_per_request = [], None
         for concurrency in args.concurrency:
             if concurrency == 1:
-                pairs = []
-                for i, job in enumerate(jobs[: args.pairs]):
-                    # Alternate which goes first, so neither gains from a warm cache.
-                    first, second = (direct, gateway) if i % 2 else (gateway, direct)
-                    a, _ = await first.request(job, args.stream)
-                    b, _ = await second.request(job, args.stream)
-                    pairs.append((a, b) if first is direct else (b, a))
-                added = [g - d for d, g in pairs]
-                lat = {"direct": [d for d, _ in pairs], "gateway": [g for _, g in pairs]}
-                tokens = sum(n for _, n in jobs[: args.pairs])
-                tput = {k: tokens / sum(v) for k, v in lat.items()}
-                added_p50, added_p99 = percentile(added, 50), percentile(added, 99)
+                rows.append(await sequential(direct, gateway, jobs[: args.pairs], args.stream))
             else:
-                lat = {"direct": [], "gateway": []}
-                tokens = {"direct": 0, "gateway": 0}
-                wall = {"direct": 0.0, "gateway": 0.0}
-                for _ in range(2):
-                    for target in (direct, gateway):
-                        cpu = cpu_seconds(gateway_pid)
-                        latencies, n, seconds = await phase(target, jobs, concurrency, args.stream)
-                        if target is gateway:
-                            gateway_cpu += cpu_seconds(gateway_pid) - cpu
-                            gateway_requests += len(latencies)
-                        lat[target.name] += latencies
-                        tokens[target.name] += n
-                        wall[target.name] += seconds
-                tput = {k: tokens[k] / wall[k] for k in tokens}
-                added_p50 = percentile(lat["gateway"], 50) - percentile(lat["direct"], 50)
-                added_p99 = percentile(lat["gateway"], 99) - percentile(lat["direct"], 99)
-            rows.append((concurrency, lat, tput, added_p50, added_p99))
+                row, cpu_per_request = await alternating(
+                    direct, gateway, jobs, concurrency, args.stream, gateway_pid
+                )
+                rows.append(row)
     mode = "streaming" if args.stream else "whole responses"
     print(
         f"\n{mode}, {args.max_tokens // 2}-{3 * args.max_tokens // 2} output tokens per "
-        "request, greedy\n"
+        "request, greedy; A/A: the same figure between two direct runs (the noise floor)\n"
     )
-    print("| concurrency | direct p50 ms | gateway p50 ms | added p50 ms | added p99 ms "
-          "| direct tok/s | gateway tok/s | throughput ratio |")  # fmt: skip
+    print(
+        "| concurrency | direct p50 ms | gateway p50 ms | added p50 ms (A/A) | added p99 ms "
+        "(A/A) | direct tok/s | gateway tok/s | throughput ratio (A/A) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
-    for concurrency, lat, tput, added_p50, added_p99 in rows:
+    for r in rows:
         print(
-            f"| {concurrency} | {1000 * percentile(lat['direct'], 50):.1f} "
-            f"| {1000 * percentile(lat['gateway'], 50):.1f} | {1000 * added_p50:.2f} "
-            f"| {1000 * added_p99:.2f} | {tput['direct']:.0f} | {tput['gateway']:.0f} "
-            f"| {tput['gateway'] / tput['direct']:.3f} |"
+            f"| {r.concurrency} | {1000 * percentile(r.direct, 50):.1f} "
+            f"| {1000 * percentile(r.gateway, 50):.1f} "
+            f"| {1000 * r.added[0]:.2f} ({1000 * r.noise[0]:.2f}) "
+            f"| {1000 * r.added[1]:.2f} ({1000 * r.noise[1]:.2f}) "
+            f"| {r.throughput[0]:.0f} | {r.throughput[1]:.0f} "
+            f"| {r.throughput[1] / r.throughput[0]:.3f} ({r.noise_ratio:.3f}) |"
         )
     count, total = overhead_seconds(url)
     p50, p99 = router_cost_us(jobs)
@@ -229,10 +276,10 @@ async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid:
         f"\ngateway's own overhead (parse, route, annotate): mean {1e6 * total / count:.0f} µs "
         f"over {count:.0f} requests; router alone p50 {p50:.0f} µs, p99 {p99:.0f} µs"
     )
-    if gateway_requests:
+    if cpu_per_request is not None:
         print(
-            f"gateway process CPU (uvicorn, FastAPI, httpx, routing): "
-            f"{1000 * gateway_cpu / gateway_requests:.2f} ms per request at concurrency > 1"
+            "gateway process CPU (uvicorn, FastAPI, httpx, routing): "
+            f"{1000 * cpu_per_request:.2f} ms per request at concurrency > 1"
         )
 
 
@@ -241,7 +288,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="checkpoint (default: a fresh random one)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--requests", type=int, default=128, help="per phase at concurrency N")
-    parser.add_argument("--pairs", type=int, default=64, help="request pairs at concurrency 1")
+    parser.add_argument("--pairs", type=int, default=48, help="requests at concurrency 1")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--stream", action="store_true", help="stream the answers")
     args = parser.parse_args()
