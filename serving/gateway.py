@@ -146,7 +146,7 @@ class Gateway:
         for i in range(tries):
             upstream = self.upstreams[record.decision.tier]
             payload = upstream_payload(body, upstream.model)
-            headers = {"Content-Type": "application/json", "X-Request-Id": record.request_id}
+            headers = {"X-Request-Id": record.request_id}
             try:
                 return await attempt(upstream, upstream.api_root + path, payload, headers, stream)
             except UpstreamFailure as failure:
@@ -217,7 +217,7 @@ class Gateway:
         self.metrics.usage("highspeed", data.get("usage") or {})  # spent, though not used
         escalated = record.decision.moved("full", "cascade")
         full = self.upstreams["full"]
-        headers = {"Content-Type": "application/json", "X-Request-Id": record.request_id}
+        headers = {"X-Request-Id": record.request_id}
         try:
             result = await attempt(
                 full, full.api_root + path, upstream_payload(body, full.model), headers, False
@@ -240,7 +240,7 @@ class Gateway:
             raise APIError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")  # fmt: skip
         upstream = self.upstreams[tier]
-        headers = {"Content-Type": "application/json"}
+        headers: dict[str, str] = {}
         try:
             result = await attempt(
                 upstream, upstream.server_root + path, upstream_payload(body, upstream.model),

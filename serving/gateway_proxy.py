@@ -68,7 +68,7 @@ async def attempt(
     except httpx.HTTPError as e:
         upstream.in_flight -= 1
         raise UpstreamFailure("connect_error", f"{upstream.tier} tier unreachable: {e!r}") from e
-    result = Attempt(upstream, response, response.aiter_bytes())
+    result = Attempt(upstream, response, response.aiter_raw())
     try:
         if response.status_code >= 500:
             raise UpstreamFailure(

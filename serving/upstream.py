@@ -95,7 +95,10 @@ def make_upstream(
     else:
         api_root = str(config.base_url).rstrip("/")
         root, api_key = api_root.removesuffix("/v1"), config.api_key
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # Uncompressed answers, so streams pass through as the raw bytes they arrive as.
+    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     client = httpx.AsyncClient(
         headers=headers,
         timeout=httpx.Timeout(fallback.read_timeout_s, connect=fallback.connect_timeout_s),
