@@ -2,10 +2,11 @@
 tier, at concurrency 1 and 32, in one run.
 
 One `tierserve serve` process supervises two embedded tiers on one checkpoint (a fresh
-random one unless --model says otherwise; 1 torch thread each). The router runs on every
-request (the heuristic with threshold 0, so every request is scored and lands on the full
-tier, which is also the tier asked directly). Requests are greedy with `ignore_eos`, so
-both paths do exactly the same work.
+random one unless --model says otherwise; 1 torch thread each), or, with --canned, fronts
+two remote tiers that answer at once, so what remains is the cost of the hop itself. The
+router runs on every request (the heuristic with threshold 0, so every request is scored
+and lands on the full tier, which is also the tier asked directly). Requests are greedy
+with `ignore_eos`, so both paths do exactly the same work.
 
 - concurrency 1: each request is sent directly, through the gateway and directly again (in a
   rotating order); the added latency is the per-request difference (p50, p99), so drift in
@@ -17,11 +18,12 @@ both paths do exactly the same work.
 Also prints the gateway's own overhead histogram (parse, route, annotate) and the router's
 cost per request. Run:
 
-    python loadtests/bench_gateway.py [--model DIR] [--stream] [--max-tokens 32]
+    python loadtests/bench_gateway.py [--model DIR | --canned] [--stream] [--max-tokens 32]
 """
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import signal
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,15 +61,58 @@ def make_jobs(n: int, max_tokens: int, seed: int = 0) -> list[Job]:
     ]  # fmt: skip
 
 
-def start_gateway(model: Path, workdir: Path) -> tuple[subprocess.Popen, str, str]:
+def canned_tier(port: int) -> None:
+    """A tier that answers at once, in our tier's wire format: whole answers, or one SSE
+    event per requested token. Through it, the bench sees only what the hop costs."""
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response, StreamingResponse
+
+    app = FastAPI()
+    head = {"id": "chatcmpl-canned", "created": 0, "model": "bench-full"}
+    usage = {"prompt_tokens": 32, "completion_tokens": 0, "total_tokens": 32}
+
+    def event(data: dict) -> bytes:
+        return f"data: {json.dumps(head | data)}\n\n".encode()
+
+    async def stream(n: int, include_usage: bool) -> AsyncIterator[bytes]:
+        for _ in range(n):
+            delta = {"index": 0, "delta": {"content": " word"}, "finish_reason": None}
+            yield event({"object": "chat.completion.chunk", "choices": [delta]})
+            await asyncio.sleep(0)  # one write per event, as a real tier makes
+        if include_usage:
+            yield event({"object": "chat.completion.chunk", "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await request.json()
+        n = body["max_tokens"]
+        if body.get("stream"):
+            include_usage = (body.get("stream_options") or {}).get("include_usage", False)
+            return StreamingResponse(stream(n, include_usage), media_type="text/event-stream")
+        message = {"role": "assistant", "content": " word" * n}
+        choice = {"index": 0, "message": message, "finish_reason": "length"}
+        data = head | {"object": "chat.completion", "choices": [choice], "usage": usage}
+        return Response(json.dumps(data), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def start_gateway(tier: dict, workdir: Path) -> tuple[subprocess.Popen, str, str]:
+    """`tierserve serve` with both tiers configured as `tier` (distinct model names)."""
     port = free_port()
-    tier = {"model": str(model), "threads": 1}
+    names = {"full": "bench-full", "highspeed": "bench-fast"}
+    key = "model" if tier["engine"] == "remote" else "served_model_name"
     config = {
         "port": port,
-        "tiers": {"full": tier | {"served_model_name": "bench-full"},
-                  "highspeed": tier | {"served_model_name": "bench-fast"}},
+        "tiers": {t: tier | {key: name} for t, name in names.items()},
         "router": {"policy": "heuristic", "threshold": 0.0, "spill": {"enabled": False}},
-    }  # fmt: skip
+    }
     path = workdir / "gateway.yaml"
     path.write_text(yaml.safe_dump(config))
     log = (workdir / "gateway.log").open("w")
@@ -252,6 +298,7 @@ async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid:
                 )
                 rows.append(row)
     mode = "streaming" if args.stream else "whole responses"
+    mode += " from canned tiers (the hop alone)" if args.canned else " from engine tiers"
     print(
         f"\n{mode}, {args.max_tokens // 2}-{3 * args.max_tokens // 2} output tokens per "
         "request, greedy; A/A: the same figure between two direct runs (the noise floor)\n"
@@ -291,20 +338,37 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=48, help="requests at concurrency 1")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--stream", action="store_true", help="stream the answers")
+    parser.add_argument(
+        "--canned",
+        action="store_true",
+        help="tiers that answer at once instead of engines: the hop's cost alone",
+    )
+    parser.add_argument("--serve-canned", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_canned:
+        canned_tier(args.serve_canned)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        model = args.model
-        if model is None:
+        children = []
+        if args.canned:
+            port = free_port()
+            command = [sys.executable, __file__, "--serve-canned", str(port)]
+            children.append(subprocess.Popen(command))
+            tier = {"engine": "remote", "base_url": f"http://127.0.0.1:{port}/v1"}
+        else:
             from training.init_checkpoint import init_checkpoint
 
-            model = init_checkpoint(workdir / "bench-moe")
-        process, url, tier_root = start_gateway(model, workdir)
+            model = args.model or init_checkpoint(workdir / "bench-moe")
+            tier = {"engine": "embedded", "model": str(model), "threads": 1}
+        process, url, tier_root = start_gateway(tier, workdir)
+        children.insert(0, process)
         try:
             asyncio.run(bench(args, url, tier_root, process.pid))
         finally:
-            os.kill(process.pid, signal.SIGTERM)
-            process.wait(timeout=60)
+            for child in children:
+                os.kill(child.pid, signal.SIGTERM)
+                child.wait(timeout=60)
 
 
 if __name__ == "__main__":
