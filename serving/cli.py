@@ -293,11 +293,12 @@ def add_train(sub: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace) -> None:
     from serving.gateway import serve_gateway
-    from serving.gateway_config import load_config
+    from serving.gateway_config import check_checkpoints, load_config
 
     config = load_config(args.config)
     updates = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     config = config.model_validate(config.model_dump() | updates)
+    check_checkpoints(config)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call
     serve_gateway(config)

@@ -144,6 +144,22 @@ class ConfigError(ValueError):
     """A config file that cannot be read or does not validate; the message says where."""
 
 
+def check_checkpoints(config: GatewayConfig) -> None:
+    """Refuse to start an embedded tier whose checkpoint is not there, rather than restart
+    it forever."""
+    for tier in ("full", "highspeed"):
+        tier_config = getattr(config.tiers, tier)
+        if (
+            isinstance(tier_config, EmbeddedTier)
+            and not (tier_config.model / "config.json").is_file()
+        ):
+            raise ConfigError(
+                f"tiers.{tier}.model: {tier_config.model} is not a checkpoint directory (no "
+                "config.json); the default tiers are the trained demo models, which "
+                "`training/` produces: give other checkpoints with --config"
+            )
+
+
 def load_config(path: Path | None) -> GatewayConfig:
     if path is None:
         return GatewayConfig()

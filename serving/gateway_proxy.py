@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import orjson
 
-from router.policy import Decision, Tier
+from router.policy import Decision, Tier, other_tier
 from serving.gateway_metrics import GatewayMetrics
 from serving.openai_serving import SSE_DONE, APIError, error_json, sse
 from serving.upstream import Upstream
@@ -117,10 +117,10 @@ class RequestRecord:
     _finished: bool = False
 
     def fell_back(self, failure: UpstreamFailure) -> None:
-        to = "highspeed" if self.decision.tier == "full" else "full"
+        to = other_tier(self.decision.tier)
         self.metrics.fallbacks.labels(self.decision.tier, to, failure.cause).inc()
         self.fallback_from = self.decision.tier
-        self.decision = self.decision.moved(to, "fallback")  # type: ignore[arg-type]
+        self.decision = self.decision.moved(to, "fallback")
 
     def annotation(self) -> dict[str, Any]:
         """Which tier answered and why: the `tierserve` field of whole responses."""

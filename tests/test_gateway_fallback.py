@@ -288,3 +288,16 @@ def test_dashboard_plots_only_metrics_that_exist(client):
             assert re.search(rf"^# TYPE {family}(_total)? ", exported, re.M), name
         else:
             assert f'"{family.removeprefix("tierserve_")}' in engine_source, name
+
+
+async def test_api_key_guards_all_but_health_and_metrics(tiers):
+    app = make_app(tiers, api_key="sesame")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
+        refused = await c.post("/v1/chat/completions", json=CHAT)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        allowed = await c.post(
+            "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer sesame"}
+        )
+        assert allowed.status_code == 200
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/metrics")).status_code == 200

@@ -79,3 +79,14 @@ def test_bad_config_is_one_line_per_field(tmp_path: Path, capsys: pytest.Capture
     err = capsys.readouterr().err
     assert "port: Input should be greater than or equal to 1" in err
     assert "tiers.full.remote.base_url: Field required" in err
+
+
+def test_serve_refuses_missing_checkpoints(tmp_path, monkeypatch, capsys):
+    """With no config the default tiers are the demo models; absent, it says so at once."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve"])
+    assert exit_.value.code == 2
+    assert "tiers.full.model: models/demo-full is not a checkpoint directory" in (
+        capsys.readouterr().err
+    )
