@@ -176,23 +176,32 @@ class RequestRecord:
         )
 
 
+def _account_usage(events: bytes, record: RequestRecord, strip_usage: bool) -> bytes:
+    """Whole events with the usage event read (and dropped if only the gateway wanted it)."""
+    kept = []
+    for event in events.split(b"\n\n")[:-1]:
+        if _USAGE_EVENT.search(event) and event.startswith(b"data: "):
+            data = orjson.loads(event[6:])
+            record.usage = data["usage"]
+            if strip_usage and not data.get("choices"):
+                continue
+        kept.append(event + b"\n\n")
+    return b"".join(kept)
+
+
 async def relay(attempt: Attempt, record: RequestRecord, strip_usage: bool) -> AsyncIterator[bytes]:
-    """The tier's SSE stream, passed on as each chunk arrives (whole events only). The usage
-    event is read for accounting, and dropped when only the gateway asked for it."""
+    """The tier's SSE stream, passed on as each chunk arrives (whole events only). Only a
+    chunk that mentions usage is taken apart into events; the rest pass as they are."""
     buffer = attempt.first_chunk
     try:
         while True:
-            *events, buffer = buffer.split(b"\n\n")
-            out = []
-            for event in events:
-                if _USAGE_EVENT.search(event) and event.startswith(b"data: "):
-                    data = orjson.loads(event[6:])
-                    record.usage = data["usage"]
-                    if strip_usage and not data.get("choices"):
-                        continue
-                out.append(event + b"\n\n")
-            if out:
-                yield b"".join(out)
+            last = buffer.rfind(b"\n\n")
+            end = last + 2 if last >= 0 else 0  # whole events end here
+            events, buffer = buffer[:end], buffer[end:]
+            if b'"usage"' in events:
+                events = _account_usage(events, record, strip_usage)
+            if events:
+                yield events
             try:
                 buffer += await anext(attempt.chunks)
             except StopAsyncIteration:

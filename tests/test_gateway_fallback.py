@@ -191,6 +191,19 @@ async def test_stream_usage_is_counted_and_dropped_unless_asked(client, tiers):
     assert metric(app, "tierserve_gateway_prompt_tokens_total", tier="full") == 10
 
 
+async def test_events_split_across_reads_pass_whole(client, tiers):
+    whole = b"".join(sse_events("m-full"))
+    pieces = [whole[i : i + 7] for i in range(0, len(whole), 7)]
+    tiers["full"].handler = lambda r: httpx.Response(200, content=stream_of(pieces))
+    response = await client.post(
+        "/v1/chat/completions", json=CHAT | {"model": "full", "stream": True}
+    )
+    events = sse_events("m-full")
+    assert response.content == b"".join(events[:3] + events[-1:])
+    app = gateway_app(client)
+    assert metric(app, "tierserve_gateway_generation_tokens_total", tier="full") == 2
+
+
 async def test_tier_4xx_passes_through_without_retry(client, tiers):
     error = {"error": {"message": "temperature too high", "type": "invalid_request_error",
                        "param": "temperature", "code": None}}  # fmt: skip
