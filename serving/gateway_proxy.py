@@ -54,14 +54,16 @@ class Attempt:
 
 
 async def attempt(
-    upstream: Upstream, url: str, payload: bytes, headers: dict[str, str], stream: bool
+    upstream: Upstream, address: str, payload: bytes, headers: dict[str, str], stream: bool
 ) -> Attempt:
     """Send one request to a tier; raise UpstreamFailure if it fails before its first byte.
-    A whole (non-stream) response is read completely."""
+    A whole (non-stream) response is read completely. The request goes straight to the
+    connection pool: a proxy needs none of the client's redirects, auth flows or cookies."""
     upstream.in_flight += 1
     try:
+        url = upstream.url(address)
         request = upstream.client.build_request("POST", url, content=payload, headers=headers)
-        response = await upstream.client.send(request, stream=True)
+        response = await upstream.transport.handle_async_request(request)
     except httpx.TimeoutException as e:
         upstream.in_flight -= 1
         raise UpstreamFailure("timeout", f"{upstream.tier} tier timed out: {e!r}") from e

@@ -31,12 +31,21 @@ class Upstream:
     config: EmbeddedTier | RemoteTier
     server_root: str  # e.g. http://127.0.0.1:8101, where /health lives
     api_root: str  # e.g. http://127.0.0.1:8101/v1
-    client: httpx.AsyncClient
+    client: httpx.AsyncClient  # health checks, metrics; builds the forwarded requests
+    transport: httpx.AsyncBaseTransport  # the client's connection pool, which sends them
     state: TierState = TierState.STARTING
     in_flight: int = 0
     restarts: int = 0
     pid: int | None = None
     last_error: str | None = field(default=None)
+    _urls: dict[str, httpx.URL] = field(default_factory=dict)
+
+    def url(self, address: str) -> httpx.URL:
+        """The parsed URL of an address on this tier (parsing one costs more than sending)."""
+        url = self._urls.get(address)
+        if url is None:
+            url = self._urls[address] = httpx.URL(address)
+        return url
 
     @property
     def model(self) -> str:
@@ -99,11 +108,14 @@ def make_upstream(
     headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
+    transport = httpx.AsyncHTTPTransport(
+        limits=httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections
+        )
+    )
     client = httpx.AsyncClient(
         headers=headers,
         timeout=httpx.Timeout(fallback.read_timeout_s, connect=fallback.connect_timeout_s),
-        limits=httpx.Limits(
-            max_connections=max_connections, max_keepalive_connections=max_connections
-        ),
+        transport=transport,
     )
-    return Upstream(tier, config, root, api_root, client)
+    return Upstream(tier, config, root, api_root, client, transport)

@@ -85,7 +85,8 @@ def make_app(tiers: dict[str, ScriptedTier], **config: object) -> FastAPI:
         GatewayConfig.model_validate({"tiers": remote, "router": {"policy": "heuristic"}} | config)
     )
     for tier, upstream in app.state.gateway.upstreams.items():
-        upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(tiers[tier]))
+        upstream.transport = httpx.MockTransport(tiers[tier])
+        upstream.client = httpx.AsyncClient(transport=upstream.transport)
         upstream.state = TierState.HEALTHY
     return app
 
