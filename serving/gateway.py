@@ -299,10 +299,9 @@ def build_gateway_app(config: GatewayConfig) -> FastAPI:
     install_error_handlers(app)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatBody) -> Response:
-        return await gateway.generate(
-            request, "/chat/completions", body.model_dump(exclude_unset=True)
-        )
+    async def chat_completions(request: Request) -> Response:
+        body = await read_body(request, ChatBody)
+        return await gateway.generate(request, "/chat/completions", body)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

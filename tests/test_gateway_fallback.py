@@ -192,6 +192,12 @@ async def test_stream_usage_is_counted_and_dropped_unless_asked(client, tiers):
     assert metric(app, "tierserve_gateway_prompt_tokens_total", tier="full") == 10
 
 
+async def test_the_tier_gets_the_clients_body(client, tiers):
+    body = CHAT | {"model": "full", "top_k": 3, "vendor_extra": {"a": [1, None]}, "stop": None}
+    await client.post("/v1/chat/completions", json=body)
+    assert tiers["full"].calls == [body | {"model": "m-full"}]
+
+
 async def test_events_split_across_reads_pass_whole(client, tiers):
     whole = b"".join(sse_events("m-full"))
     pieces = [whole[i : i + 7] for i in range(0, len(whole), 7)]
