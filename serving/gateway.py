@@ -142,20 +142,26 @@ class Gateway:
     ) -> Attempt:
         """One attempt on the decided tier and, if that fails before its first byte and
         fallback is on, one on the other tier."""
-        tries = 2 if self.config.fallback.enabled else 1
-        for i in range(tries):
-            upstream = self.upstreams[record.decision.tier]
-            payload = upstream_payload(body, upstream.model)
-            headers = {"X-Request-Id": record.request_id}
-            try:
-                return await attempt(upstream, upstream.api_root + path, payload, headers, stream)
-            except UpstreamFailure as failure:
-                self.metrics.upstream_errors.labels(upstream.tier, failure.cause).inc()
-                log.warning("request %s: %s", record.request_id, failure)
-                if i + 1 == tries:
-                    raise
-                record.fell_back(failure)
-        raise AssertionError("unreachable")
+        try:
+            return await self._attempt(record, path, body, stream)
+        except UpstreamFailure as failure:
+            if not self.config.fallback.enabled:
+                raise
+            record.fell_back(failure)
+        return await self._attempt(record, path, body, stream)
+
+    async def _attempt(
+        self, record: RequestRecord, path: str, body: dict[str, Any], stream: bool
+    ) -> Attempt:
+        upstream = self.upstreams[record.decision.tier]
+        payload = upstream_payload(body, upstream.model)
+        headers = {"X-Request-Id": record.request_id}
+        try:
+            return await attempt(upstream, upstream.api_root + path, payload, headers, stream)
+        except UpstreamFailure as failure:
+            self.metrics.upstream_errors.labels(upstream.tier, failure.cause).inc()
+            log.warning("request %s: %s", record.request_id, failure)
+            raise
 
     async def generate(self, request: Request, path: str, body: dict[str, Any]) -> Response:
         start = time.perf_counter()
@@ -215,20 +221,17 @@ class Gateway:
             return content, data
         self.metrics.cascade_escalations.labels(failure).inc()
         self.metrics.usage("highspeed", data.get("usage") or {})  # spent, though not used
-        escalated = record.decision.moved("full", "cascade")
-        full = self.upstreams["full"]
-        headers = {"X-Request-Id": record.request_id}
+        routed = record.decision
+        record.decision = routed.moved("full", "cascade")
         try:
-            result = await attempt(
-                full, full.api_root + path, upstream_payload(body, full.model), headers, False
-            )
-        except UpstreamFailure as e:
-            self.metrics.upstream_errors.labels("full", e.cause).inc()
+            result = await self._attempt(record, path, body, stream=False)
+        except UpstreamFailure:
+            record.decision = routed
             return content, data
         await result.close()
         if result.response.status_code != 200:
+            record.decision = routed
             return content, data
-        record.decision = escalated
         return result.response.content, orjson.loads(result.response.content)
 
     async def forward_tokenizer(self, path: str, body: dict[str, Any]) -> Response:

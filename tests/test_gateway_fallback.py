@@ -282,6 +282,18 @@ async def test_cascade_escalates_an_invalid_json_answer(tiers):
     assert metric(app, "tierserve_gateway_generation_tokens_total", tier="highspeed") == 2
 
 
+async def test_cascade_keeps_the_highspeed_answer_when_full_fails(tiers):
+    tiers["highspeed"].handler = lambda r: httpx.Response(200, json=chat_json("m-fast", "[1]"))
+    tiers["full"].handler = lambda r: httpx.Response(503, text="down")
+    app = make_app(tiers, router={"policy": "heuristic", "cascade": {"enabled": True}})
+    body = CHAT | {"response_format": {"type": "json_object"}}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
+        response = await c.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200 and response.json()["model"] == "m-fast"
+    assert response.headers["x-tierserve-tier"] == "highspeed"
+    assert metric(app, "tierserve_gateway_requests_total", tier="highspeed", outcome="success") == 1
+
+
 async def test_health_reports_tiers_and_policy(client):
     gateway = gateway_app(client).state.gateway
     gateway.upstreams["full"].state = TierState.RESTARTING
