@@ -274,6 +274,13 @@ def run_train_router(args: argparse.Namespace) -> None:
     )
 
 
+def _share(text: str) -> float:
+    share = float(text)
+    if not 0.0 <= share <= 1.0:
+        raise argparse.ArgumentTypeError(f"a share is in [0, 1], got {text}")
+    return share
+
+
 def add_train(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("train", help="train a component")
     actions = parser.add_subparsers(required=True, metavar="WHAT")
@@ -284,7 +291,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     router.add_argument("--out", type=Path, default=Path("models/router.npz"))
     router.add_argument(
         "--target-full-share",
-        type=float,
+        type=_share,
         default=0.5,
         help="the share of requests the calibrated threshold sends to the full tier",
     )
