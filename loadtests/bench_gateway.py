@@ -281,7 +281,8 @@ async def alternating(
 
 
 async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid: int) -> None:
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    # Idle connections expire before the servers' 5 s keep-alive closes them.
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256, keepalive_expiry=2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         direct = Target("direct", tier_root, "bench-full", client)
         gateway = Target("gateway", url, "auto", client)

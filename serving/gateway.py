@@ -96,7 +96,11 @@ class Gateway:
         self.config = config
         self.upstreams: dict[Tier, Upstream] = {
             tier: make_upstream(
-                tier, getattr(config.tiers, tier), config.fallback, config.max_connections_per_tier
+                tier,
+                getattr(config.tiers, tier),
+                config.fallback,
+                config.max_connections_per_tier,
+                config.tier_keepalive_s,
             )
             for tier in TIERS
         }
@@ -350,6 +354,7 @@ def serve_gateway(config: GatewayConfig) -> None:
             host=config.host,
             port=config.port,
             timeout_graceful_shutdown=int(config.drain_timeout_s),
+            timeout_keep_alive=int(config.keepalive_timeout_s),
             access_log=False,  # the gateway logs one line per request itself
         )
     )

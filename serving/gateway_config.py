@@ -125,6 +125,12 @@ class GatewayConfig(_Strict):
     fallback: FallbackConfig = FallbackConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
     max_connections_per_tier: Annotated[int, Field(ge=1)] = 256
+    # An idle pooled connection is dropped before the tier's server would close it (uvicorn,
+    # so vLLM and ours: 5 s), so a request never races the server's close on a stale one.
+    tier_keepalive_s: Seconds = 4.0
+    # How long the gateway keeps an idle client connection open: longer than a load
+    # balancer's idle timeout (60 s on common ones), for the same reason in reverse.
+    keepalive_timeout_s: Seconds = 75.0
     drain_timeout_s: Seconds = 30.0  # in-flight requests may finish this long after SIGTERM
 
     @model_validator(mode="after")

@@ -95,7 +95,11 @@ class Upstream:
 
 
 def make_upstream(
-    tier: Tier, config: EmbeddedTier | RemoteTier, fallback: FallbackConfig, max_connections: int
+    tier: Tier,
+    config: EmbeddedTier | RemoteTier,
+    fallback: FallbackConfig,
+    max_connections: int,
+    keepalive_s: float,
 ) -> Upstream:
     """The upstream of one configured tier; an embedded tier without a port gets a free one."""
     if isinstance(config, EmbeddedTier):
@@ -110,7 +114,9 @@ def make_upstream(
         headers["Authorization"] = f"Bearer {api_key}"
     transport = httpx.AsyncHTTPTransport(
         limits=httpx.Limits(
-            max_connections=max_connections, max_keepalive_connections=max_connections
+            max_connections=max_connections,
+            max_keepalive_connections=max_connections,
+            keepalive_expiry=keepalive_s,
         )
     )
     client = httpx.AsyncClient(
