@@ -57,9 +57,9 @@ class Gateway:
             time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def gateway(random_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tier = {"model": str(random_checkpoint), "max_model_len": 256, "kv_cache_memory_mib": 8}
+def start_gateway(checkpoint: Path, directory: Path) -> Gateway:
+    """`tierserve serve` over two embedded tiers of `checkpoint`, healthy."""
+    tier = {"model": str(checkpoint), "max_model_len": 256, "kv_cache_memory_mib": 8}
     port = free_port()
     config = {
         "port": port,
@@ -68,26 +68,38 @@ def gateway(random_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -
         "supervisor": {"health_interval_s": 0.5, "restart_backoff_s": 0.5},
         "drain_timeout_s": 20,
     }
-    path = tmp_path_factory.mktemp("gateway") / "config.yaml"
+    path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-c", "from serving.cli import main; main()", "serve"]
-    log = (path.parent / "serve.log").open("w")
+    log = (directory / "serve.log").open("w")
     process = subprocess.Popen([*command, "--config", str(path)], stderr=log, stdout=log)
     gw = Gateway(process, f"http://127.0.0.1:{port}")
+    gw.wait_healthy()
+    return gw
+
+
+def stop(gw: Gateway, pids: list[int]) -> None:
+    if gw.process.poll() is None:
+        gw.process.terminate()
+        gw.process.wait(timeout=60)
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def gateway(random_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    gw = start_gateway(random_checkpoint, tmp_path_factory.mktemp("gateway"))
+    pids = _child_pids(gw)
     try:
-        gw.wait_healthy()
         yield gw
     finally:
-        pids = [p for p in _child_pids(gw)]
-        if process.poll() is None:
-            process.terminate()
-            process.wait(timeout=60)
-        for pid in pids:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop(gw, pids + _child_pids(gw))
 
 
 def _child_pids(gw: Gateway) -> list[int]:
+    if gw.process.poll() is not None:
+        return []
     try:
         return [t["pid"] for t in gw.health()["tiers"].values()]
     except httpx.HTTPError:
@@ -226,3 +238,18 @@ def test_sigterm_drains_and_leaves_no_orphans(gateway: Gateway):
     # uvicorn re-raises the signal once shut down, so a clean exit reads as -SIGTERM.
     assert gateway.process.wait(timeout=60) in (0, -signal.SIGTERM)
     assert not [pid for pid in pids if _alive(pid)]
+
+
+def test_tiers_die_with_a_killed_gateway(random_checkpoint: Path, tmp_path: Path):
+    """Even SIGKILL, which leaves the gateway no chance to clean up, leaves no orphans."""
+    gw = start_gateway(random_checkpoint, tmp_path)
+    pids = _child_pids(gw)
+    try:
+        gw.process.kill()
+        gw.process.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while [pid for pid in pids if _alive(pid)]:
+            assert time.monotonic() < deadline, "tier processes outlived the gateway"
+            time.sleep(0.2)
+    finally:
+        stop(gw, pids)
