@@ -13,6 +13,7 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
+import httpx
 import orjson
 import uvicorn
 from fastapi import FastAPI, Request, Response
@@ -247,12 +248,9 @@ class Gateway:
             raise APIError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")  # fmt: skip
         upstream = self.upstreams[tier]
-        headers: dict[str, str] = {}
+        address, payload = upstream.server_root + path, upstream_payload(body, upstream.model)
         try:
-            result = await attempt(
-                upstream, upstream.server_root + path, upstream_payload(body, upstream.model),
-                headers, False,
-            )  # fmt: skip
+            result = await attempt(upstream, address, payload, {}, stream=False)
         except UpstreamFailure as e:
             raise APIError(502, str(e), type="server_error") from e
         await result.close()
@@ -268,7 +266,7 @@ class Gateway:
             raise APIError(404, f"No tier {tier!r}; tiers: {', '.join(TIERS)}")
         try:
             response = await upstream.client.get(upstream.metrics_url, timeout=5.0)
-        except Exception as e:
+        except httpx.HTTPError as e:
             raise APIError(
                 502, f"{tier} tier metrics unavailable: {e!r}", type="server_error"
             ) from e

@@ -183,6 +183,15 @@ def test_stream_is_byte_identical_to_the_tier(gateway: Gateway, include_usage: b
     assert through.content.endswith(b"data: [DONE]\n\n")
 
 
+def test_tokenize_and_detokenize_through_the_gateway(gateway: Gateway):
+    tokens = httpx.post(f"{gateway.url}/tokenize", json={"model": "auto", "prompt": "hello"})
+    assert tokens.status_code == 200 and tokens.json()["count"] > 0
+    text = httpx.post(
+        f"{gateway.url}/detokenize", json={"model": "highspeed", "tokens": tokens.json()["tokens"]}
+    )
+    assert text.json()["prompt"] == "hello"
+
+
 def test_bad_input_is_an_openai_error(client: openai.OpenAI):
     with pytest.raises(openai.BadRequestError) as bad:  # the tier's own validation
         client.chat.completions.create(model="full", messages=USER, temperature=7)
