@@ -146,7 +146,7 @@ class GatewayConfig(_Strict):
         return self
 
 
-class ConfigError(ValueError):
+class GatewayConfigError(ValueError):
     """A config file that cannot be read or does not validate; the message says where."""
 
 
@@ -159,7 +159,7 @@ def check_checkpoints(config: GatewayConfig) -> None:
             isinstance(tier_config, EmbeddedTier)
             and not (tier_config.model / "config.json").is_file()
         ):
-            raise ConfigError(
+            raise GatewayConfigError(
                 f"tiers.{tier}.model: {tier_config.model} is not a checkpoint directory (no "
                 "config.json); the default tiers are the trained demo models, which "
                 "`training/` produces: give other checkpoints with --config"
@@ -172,7 +172,7 @@ def load_config(path: Path | None) -> GatewayConfig:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: {e}") from e
+        raise GatewayConfigError(f"{path}: {e}") from e
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as e:
@@ -180,4 +180,4 @@ def load_config(path: Path | None) -> GatewayConfig:
             f"  {'.'.join(map(str, err['loc'])) or '(top level)'}: {err['msg']}"
             for err in e.errors()
         ]
-        raise ConfigError(f"{path}: invalid config\n" + "\n".join(lines)) from e
+        raise GatewayConfigError(f"{path}: invalid config\n" + "\n".join(lines)) from e
