@@ -13,8 +13,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from router.cli import add_eval_router_args, run_eval_router
+from router.learned import RouterFileError
+from router.outcomes import OutcomeError
 from serving.config import CheckpointError
 from serving.engine import EngineConfig, EngineInputError, LLMEngine
+from serving.gateway_config import GatewayConfigError
 from serving.sampling_params import SamplingParams
 from serving.tokenizer import TokenizerError
 from training.cli import add_train
@@ -28,6 +32,9 @@ USER_ERRORS = (
     EngineInputError,
     OSError,
     json.JSONDecodeError,
+    GatewayConfigError,
+    RouterFileError,
+    OutcomeError,
 )
 
 
@@ -147,6 +154,11 @@ def add_sandbox(sub: argparse._SubParsersAction) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> None:
+    if args.what == "router":
+        run_eval_router(args)
+        return
+    if args.model is None and args.url is None and args.reference is None:
+        args.parser.error("one of --model, --url or --reference is required")
     from training import eval as harness
 
     records = asyncio.run(
@@ -180,8 +192,18 @@ def run_eval(args: argparse.Namespace) -> None:
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("eval", help="score a model on held-out tasks of the domains")
-    target = parser.add_mutually_exclusive_group(required=True)
+    parser = sub.add_parser(
+        "eval",
+        help="score a model on held-out tasks of the domains (or, `eval router`, the routers)",
+    )
+    parser.add_argument(
+        "what",
+        nargs="?",
+        choices=["router"],
+        help="`router`: the routers' quality-vs-cost curves on paired outcomes",
+    )
+    add_eval_router_args(parser)
+    target = parser.add_mutually_exclusive_group()
     target.add_argument("--model", type=Path, help="a checkpoint directory, served in process")
     target.add_argument("--url", help="an OpenAI-compatible API root, e.g. http://host:8100/v1")
     target.add_argument(
@@ -201,10 +223,34 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-drop", type=float, default=5.0, help="allowed drop in completion, in points"
     )
-    parser.set_defaults(run=run_eval)
+    parser.set_defaults(run=run_eval, parser=parser)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    from serving.gateway import serve_gateway
+    from serving.gateway_config import check_checkpoints, load_config
+
+    config = load_config(args.config)
+    updates = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    config = config.model_validate(config.model_dump() | updates)
+    check_checkpoints(config)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call
+    serve_gateway(config)
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "serve", help="serve the gateway over both tiers (starting embedded tiers)"
+    )
+    parser.add_argument("--config", type=Path, help="YAML or JSON (default: the shipped tiers)")
+    parser.add_argument("--host", help="overrides the config's host (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="overrides the config's port (default 8000)")
+    parser.set_defaults(run=run_serve)
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_serve,
     add_engine,
     add_generate,
     add_init_checkpoint,

@@ -43,9 +43,10 @@ class APIKeyAuth:
     constant time. Pure ASGI (not BaseHTTPMiddleware), so streaming and disconnect detection
     pass through untouched."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_prefixes: tuple[str, ...] = ()) -> None:
         self.app = app
         self._key = api_key.encode()
+        self._open_prefixes = open_prefixes
 
     def _authorized(self, scope: Scope) -> bool:
         value = dict(scope["headers"]).get(b"authorization", b"")
@@ -53,7 +54,12 @@ class APIKeyAuth:
         return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self._key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        protected = scope["type"] == "http" and scope["path"] not in _OPEN_PATHS
+        path = scope.get("path", "")
+        protected = (
+            scope["type"] == "http"
+            and path not in _OPEN_PATHS
+            and not path.startswith(self._open_prefixes)
+        )
         if protected and not self._authorized(scope):
             error = APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
             await error.response()(scope, receive, send)
@@ -79,7 +85,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) + more, (params[0] or None) if params else None
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
@@ -107,7 +113,7 @@ def build_app(
     app = FastAPI(title="tierserve", summary=f"OpenAI-compatible server for {model_name}")
     if api_key:
         app.add_middleware(APIKeyAuth, api_key=api_key)
-    _install_error_handlers(app)
+    install_error_handlers(app)
     app.include_router(chat_router(serving))
     app.include_router(completions_router(serving))
 

@@ -7,6 +7,7 @@ are imported only when a training command runs, so serving needs neither.
 import argparse
 from pathlib import Path
 
+from router.cli import add_train_router
 from training.config import ConfigError
 
 
@@ -73,6 +74,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
         if stage == "sft":
             p.add_argument("--style", choices=["think", "short"])
         p.set_defaults(run=run_stage_command, stage=stage)
+    add_train_router(stages)
     p = stages.add_parser("recipe", help="tokenizer, pretrain, both SFT styles and draft")
     p.add_argument("name", help="a recipe under training/recipes: demo or smoke")
     p.add_argument("--work", type=Path, help="stage directories (default runs/NAME)")

@@ -111,10 +111,14 @@ class Record:
     output_tokens: int | None
     latency_s: float
     metrics: dict[str, float] = field(default_factory=dict)
+    # The first request of the episode, so a router can be trained on what it will see.
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
 
 
 async def play_episode(domain: Domain, task: Task, policy: Policy) -> Record:
     episode = domain.start(task)
+    first_messages = [dict(m) for m in episode.messages]
     tokens: int | None = 0
     latency = 0.0
     try:
@@ -134,7 +138,18 @@ async def play_episode(domain: Domain, task: Task, policy: Policy) -> Record:
         reward, reason, metrics = 0.0, f"request failed: {e}", {}
     finally:
         episode.close()
-    return Record(task.domain, task.difficulty, task.seed, reward, reason, tokens, latency, metrics)
+    return Record(
+        task.domain,
+        task.difficulty,
+        task.seed,
+        reward,
+        reason,
+        tokens,
+        latency,
+        metrics,
+        first_messages,
+        task.tools,
+    )
 
 
 async def evaluate(

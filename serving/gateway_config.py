@@ -1,0 +1,183 @@
+"""The gateway's configuration (`tierserve serve --config FILE`, YAML or JSON), validated by
+pydantic so a wrong field is reported by name before anything starts.
+
+With no file, the shipped default: both tiers embedded, served from `models/demo-full` and
+`models/demo-highspeed`, routed by `models/router.npz` when it exists (else the heuristic).
+"""
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    HttpUrl,
+    Tag,
+    ValidationError,
+    model_validator,
+)
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+Seconds = Annotated[float, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not a no-op
+
+
+class EmbeddedTier(_Strict):
+    """A `tierserve engine` child process that the gateway starts and supervises."""
+
+    engine: Literal["embedded"] = "embedded"
+    model: Path  # checkpoint directory
+    port: Port | None = None  # None: a free local port
+    served_model_name: str | None = None  # default: the directory's name
+    max_num_seqs: Annotated[int, Field(ge=1)] | None = None
+    max_num_batched_tokens: Annotated[int, Field(ge=1)] | None = None
+    kv_cache_memory_mib: Annotated[int, Field(ge=1)] | None = None
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    threads: Annotated[int, Field(ge=1)] = 1  # torch threads of the child (OMP_NUM_THREADS)
+    api_key: str | None = None  # if set, the child requires it and the gateway sends it
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.resolve().name
+
+
+class RemoteTier(_Strict):
+    """Any OpenAI-compatible server, e.g. a vLLM deployment; the gateway only probes it."""
+
+    engine: Literal["remote"]
+    base_url: HttpUrl  # the API root, e.g. http://vllm-full:8000/v1
+    model: str  # the model name that server serves
+    api_key: str | None = None
+    health_path: str = "/health"  # relative to the server root (vLLM and ours: /health)
+    metrics_path: str = "/metrics"
+
+    @property
+    def model_name(self) -> str:
+        return self.model
+
+
+def _engine(value: object) -> str:
+    """The tier's kind; `engine` may be left out for an embedded tier."""
+    if isinstance(value, dict):
+        return value.get("engine", "embedded")
+    return getattr(value, "engine", "embedded")
+
+
+TierConfig = Annotated[
+    Annotated[EmbeddedTier, Tag("embedded")] | Annotated[RemoteTier, Tag("remote")],
+    Discriminator(_engine),
+]
+
+
+class Tiers(_Strict):
+    full: TierConfig
+    highspeed: TierConfig
+
+
+class SpillConfig(_Strict):
+    enabled: bool = True
+    max_queue: Annotated[int, Field(ge=1)] = 64  # in-flight requests per tier before spilling
+    margin: Annotated[float, Field(ge=0.0)] = 0.15
+
+
+class CascadeConfig(_Strict):
+    enabled: bool = False
+
+
+class RouterConfig(_Strict):
+    policy: Literal["auto", "learned", "heuristic"] = "auto"
+    learned_path: Path = Path("models/router.npz")
+    threshold: Annotated[float, Field(ge=0.0, le=1.0)] | None = None  # overrides calibration
+    heuristic_threshold: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    spill: SpillConfig = SpillConfig()
+    cascade: CascadeConfig = CascadeConfig()
+
+
+class FallbackConfig(_Strict):
+    enabled: bool = True  # retry once on the other tier before the first byte
+    connect_timeout_s: Seconds = 5.0
+    read_timeout_s: Seconds = 600.0  # longest wait for response headers or the next chunk
+
+
+class SupervisorConfig(_Strict):
+    startup_timeout_s: Seconds = 300.0  # for a tier to answer /health
+    health_interval_s: Seconds = 2.0
+    restart_backoff_s: Seconds = 1.0  # doubled after each crash in a row
+    max_restart_backoff_s: Seconds = 60.0
+    stop_timeout_s: Seconds = 10.0  # SIGTERM to SIGKILL for a child
+
+
+class GatewayConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    api_key: str | None = None  # clients must send it as a bearer token
+    tiers: Tiers = Tiers(
+        full=EmbeddedTier(model=Path("models/demo-full")),
+        highspeed=EmbeddedTier(model=Path("models/demo-highspeed")),
+    )
+    router: RouterConfig = RouterConfig()
+    fallback: FallbackConfig = FallbackConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
+    max_connections_per_tier: Annotated[int, Field(ge=1)] = 256
+    # An idle pooled connection is dropped before the tier's server would close it (uvicorn,
+    # so vLLM and ours: 5 s), so a request never races the server's close on a stale one.
+    tier_keepalive_s: Seconds = 4.0
+    # How long the gateway keeps an idle client connection open: longer than a load
+    # balancer's idle timeout (60 s on common ones), for the same reason in reverse.
+    keepalive_timeout_s: Seconds = 75.0
+    drain_timeout_s: Seconds = 30.0  # in-flight requests may finish this long after SIGTERM
+
+    @model_validator(mode="after")
+    def _check_names(self) -> "GatewayConfig":
+        full, highspeed = self.tiers.full.model_name, self.tiers.highspeed.model_name
+        if full == highspeed:
+            raise ValueError(f"both tiers serve the model name {full!r}; give them distinct names")
+        ports = [
+            t.port for t in (self.tiers.full, self.tiers.highspeed) if isinstance(t, EmbeddedTier)
+        ]
+        if None not in ports and (len(set(ports)) < len(ports) or self.port in ports):
+            raise ValueError("the gateway and the embedded tiers need distinct ports")
+        return self
+
+
+class GatewayConfigError(ValueError):
+    """A config file that cannot be read or does not validate; the message says where."""
+
+
+def check_checkpoints(config: GatewayConfig) -> None:
+    """Refuse to start an embedded tier whose checkpoint is not there, rather than restart
+    it forever."""
+    for tier in ("full", "highspeed"):
+        tier_config = getattr(config.tiers, tier)
+        if (
+            isinstance(tier_config, EmbeddedTier)
+            and not (tier_config.model / "config.json").is_file()
+        ):
+            raise GatewayConfigError(
+                f"tiers.{tier}.model: {tier_config.model} is not a checkpoint directory (no "
+                "config.json); the default tiers are the trained demo models, which "
+                "`training/` produces: give other checkpoints with --config"
+            )
+
+
+def load_config(path: Path | None) -> GatewayConfig:
+    if path is None:
+        return GatewayConfig()
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise GatewayConfigError(f"{path}: {e}") from e
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as e:
+        lines = [
+            f"  {'.'.join(map(str, err['loc'])) or '(top level)'}: {err['msg']}"
+            for err in e.errors()
+        ]
+        raise GatewayConfigError(f"{path}: invalid config\n" + "\n".join(lines)) from e
