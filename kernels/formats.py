@@ -51,10 +51,11 @@ class FP4Tensor:
     def shape(self) -> torch.Size:
         return torch.Size((*self.packed.shape[:-1], self.k))
 
-    def expert(self, e: int) -> "FP4Tensor":
-        """The `[N, k]` matrix of expert `e` of a stacked `[E, N, k]` weight."""
-        rs = None if self.row_scale is None else self.row_scale[e]
-        return FP4Tensor(self.format, self.packed[e], self.scales[e], rs, self.k)
+    def select(self, experts: torch.Tensor) -> "FP4Tensor":
+        """The matrices of `experts` (indices) of a stacked `[E, N, k]` weight."""
+        rs = None if self.row_scale is None else self.row_scale.index_select(0, experts)
+        packed, scales = self.packed.index_select(0, experts), self.scales.index_select(0, experts)
+        return FP4Tensor(self.format, packed, scales, rs, self.k)
 
     def nbytes(self) -> int:
         extra = 0 if self.row_scale is None else self.row_scale.nbytes

@@ -10,11 +10,16 @@ import torch.nn.functional as F
 from kernels.formats import FP4Tensor, dequantize_blocks
 
 
+def _scaled_linear(x: torch.Tensor, w: torch.Tensor, row_scale: torch.Tensor | None):
+    """x @ w.t(), times the per-row tensor scale (NVFP4) on the output: one multiply per
+    output element instead of one per weight."""
+    y = F.linear(x, w.to(x.dtype))
+    return y if row_scale is None else y * row_scale.to(x.dtype)
+
+
 def fp4_linear(x: torch.Tensor, w: FP4Tensor, lookup: bool = True) -> torch.Tensor:
-    """x [..., K] @ W.t() for an FP4 weight W [N, K]: the W4A16 dequant-GEMM. The per-row
-    tensor scale (NVFP4) is applied to the output, one multiply per output element."""
-    y = F.linear(x, dequantize_blocks(w, lookup).to(x.dtype))
-    return y if w.row_scale is None else y * w.row_scale.to(x.dtype)
+    """x [..., K] @ W.t() for an FP4 weight W [N, K]: the W4A16 dequant-GEMM."""
+    return _scaled_linear(x, dequantize_blocks(w, lookup), w.row_scale)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -33,22 +38,29 @@ def fp4_moe(
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [T, H], with FP4
     expert weights gate_up [E, 2I, H] and down [E, H, I].
 
-    Token slots are sorted by expert; each used expert's weights are dequantized once and
-    run over its contiguous slice; results are weighted and summed back per token.
+    Token slots are sorted by expert; the used experts' weights are dequantized together
+    (one gather each for gate_up and down: a layer's worth at most, freed after the call)
+    and each runs over its contiguous slice; results are weighted and summed per token.
     """
     top_k = topk_ids.shape[1]
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.packed.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=gate_up.packed.shape[0])
+    used = counts.nonzero().squeeze(1)
+    gate_up, down = gate_up.select(used), down.select(used)
+    gate_up_w = dequantize_blocks(gate_up, lookup)
+    down_w = dequantize_blocks(down, lookup)
     token_of = order // top_k
     xs = x.index_select(0, token_of)
     out = torch.empty_like(xs)
     start = 0
-    for e, n in enumerate(counts):
-        if n:
-            seg = slice(start, start + n)
-            h = silu_and_mul(fp4_linear(xs[seg], gate_up.expert(e), lookup))
-            out[seg] = fp4_linear(h, down.expert(e), lookup)
-            start += n
+    for i, n in enumerate(counts[used].tolist()):
+        seg = slice(start, start + n)
+        rs = (
+            (None, None) if gate_up.row_scale is None else (gate_up.row_scale[i], down.row_scale[i])
+        )
+        h = silu_and_mul(_scaled_linear(xs[seg], gate_up_w[i], rs[0]))
+        out[seg] = _scaled_linear(h, down_w[i], rs[1])
+        start += n
     slot_weights = topk_weights.flatten()[order].unsqueeze(-1).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, out * slot_weights)
