@@ -29,6 +29,19 @@ VARIANTS = {  # name: (format, all_linear), None for the unquantized checkpoint
 }
 
 
+def variant_checkpoints(full: Path) -> dict[str, Path]:
+    """Each variant's checkpoint directory, quantized from `full` on first use."""
+    paths = {}
+    for name, variant in VARIANTS.items():
+        path = full
+        if variant is not None:
+            path = full.with_name(f"{full.name}-{name.replace(' ', '-')}")
+            if not (path / "model.safetensors").exists():
+                quantize_checkpoint(full, path, *variant)
+        paths[name] = path
+    return paths
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Parameters and persistent buffers (FP4 codes and scales), each tensor counted once."""
     tensors = {t.data_ptr(): t for t in model.state_dict().values()}
@@ -57,41 +70,48 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/tierserve-bench-moe-43m"))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2, help="best of this many runs")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="CPU threads (1 is steadier on a busy machine)"
+    )
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     full = build_checkpoint(args.checkpoint)
-    rows = []
-    for name, variant in VARIANTS.items():
-        path = full
-        if variant is not None:
-            path = full.with_name(f"{full.name}-{name.replace(' ', '-')}")
-            if not (path / "model.safetensors").exists():
-                quantize_checkpoint(full, path, *variant)
+    engines, nbytes = {}, {}
+    for name, path in variant_checkpoints(full).items():
         model = load_checkpoint(path)
-        vocab = model.config.vocab_size
-        engine = LLMEngine(model, EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024), [])
+        nbytes[name] = weight_bytes(model)
+        engines[name] = LLMEngine(
+            model, EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024), []
+        )
+    vocab = engines["fp32"].runner.model.config.vocab_size
+    for engine in engines.values():
         decode_tokens_per_second(engine, make_prompts(2, vocab, seed=99), 8)  # warm up
-        speeds = [
-            decode_tokens_per_second(engine, make_prompts(c, vocab, seed=c), args.new_tokens)
-            for c in args.concurrency
-        ]
-        rows.append((name, weight_bytes(model), speeds))
-        print(f"{name}: {weight_bytes(model) / 2**20:.1f} MiB, decode tok/s {speeds}", flush=True)
+    # Variants take turns within each repeat, so a busy spell on the machine hits all alike.
+    speeds = {name: [0.0] * len(args.concurrency) for name in engines}
+    for j, c in enumerate(args.concurrency):
+        prompts = make_prompts(c, vocab, seed=c)
+        for _ in range(args.repeats):
+            for name, engine in engines.items():
+                tps = decode_tokens_per_second(engine, prompts, args.new_tokens)
+                speeds[name][j] = max(speeds[name][j], tps)
+        print(
+            f"{c} concurrent: " + ", ".join(f"{n} {s[j]:.0f}" for n, s in speeds.items()),
+            flush=True,
+        )
     print(
         f"\n{full.name}: greedy, prompts of 64-256 tokens, {args.new_tokens} new tokens, "
-        f"{torch.get_num_threads()} threads; decode tok/s at "
-        + "/".join(map(str, args.concurrency))
-        + " concurrent requests"
+        f"{torch.get_num_threads()} threads, best of {args.repeats}"
     )
-    head = " | ".join(f"{c} concurrent tok/s" for c in args.concurrency)
+    head = " | ".join(f"decode tok/s, {c} concurrent" for c in args.concurrency)
     print(f"| model | weight MiB | vs fp32 | {head} |")
     print("|---|---|---|" + "---|" * len(args.concurrency))
-    base_bytes, base_speeds = rows[0][1], rows[0][2]
-    for name, nbytes, speeds in rows:
+    for name in engines:
         cells = " | ".join(
-            f"{s:.0f} ({s / b:.2f}x)" for s, b in zip(speeds, base_speeds, strict=True)
+            f"{s:.0f} ({s / b:.2f}x)" for s, b in zip(speeds[name], speeds["fp32"], strict=True)
         )
-        print(f"| {name} | {nbytes / 2**20:.1f} | {nbytes / base_bytes:.2f}x | {cells} |")
+        ratio = nbytes[name] / nbytes["fp32"]
+        print(f"| {name} | {nbytes[name] / 2**20:.1f} | {ratio:.2f}x | {cells} |")
 
 
 if __name__ == "__main__":

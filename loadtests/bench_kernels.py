@@ -88,7 +88,6 @@ def compiled_moe(fused):
 
 
 def cpu_options(fmt: str) -> None:
-    torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
     layers = []
     for _ in range(LAYERS):
@@ -193,7 +192,11 @@ def triton_vs_bf16(fmt: str, device: str, tiny: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--format", choices=sorted(QUANTIZE), default="mxfp4")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="CPU threads (1 is steadier on a busy machine)"
+    )
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     cpu_options(args.format)
     if torch.cuda.is_available():
         triton_vs_bf16(args.format, "cuda", tiny=False)

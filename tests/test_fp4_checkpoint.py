@@ -2,8 +2,10 @@
 serving the result."""
 
 import json
+import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,12 +13,15 @@ from safetensors.torch import load_file, save_file
 
 from kernels.formats import FP4Tensor, dequantize
 from kernels.modules import FP4Linear, QuantizedWeight
-from serving.checkpoint import load_checkpoint
+from serving.async_engine import AsyncEngine
+from serving.checkpoint import TOKENIZER_FILES, load_checkpoint
 from serving.cli import main
 from serving.config import CheckpointError
 from serving.engine import EngineConfig, LLMEngine
 from serving.quantization import quantize_state_dict
 from serving.sampling_params import SamplingParams
+from serving.server import build_app
+from serving.tokenizer import Tokenizer
 from tests.engine_fixtures import TINY_MOE, prompts, save_tiny_moe
 
 FORMATS = ["mxfp4", "nvfp4"]
@@ -63,6 +68,9 @@ def dequantized_copy(path: Path, out: Path) -> Path:
     out.mkdir()
     (out / "config.json").write_text(json.dumps(config))
     save_file(plain, out / "model.safetensors")
+    for name in TOKENIZER_FILES:
+        if (path / name).exists():
+            shutil.copy(path / name, out / name)
     return out
 
 
@@ -165,3 +173,29 @@ def test_quantize_refuses_what_it_cannot_write(quantized, tmp_path, capsys):
         )
     assert e.value.code == 2
     assert "already quantized" in capsys.readouterr().err
+
+
+async def test_tier_server_answers_from_an_fp4_checkpoint(random_checkpoint, tmp_path):
+    """`tierserve quantize` output served over the OpenAI API answers as its dequantized
+    twin does (the random checkpoint with a real tokenizer and chat template)."""
+    path = tmp_path / "fp4"
+    main(["quantize", "--model", str(random_checkpoint), "--format", "mxfp4", "--out", str(path)])
+    request = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "What is 17 * 23?"}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    answers = []
+    for ckpt in (path, dequantized_copy(path, tmp_path / "plain")):
+        engine = AsyncEngine(LLMEngine.from_checkpoint(ckpt, EngineConfig(kv_cache_bytes=8 << 20)))
+        try:
+            app = build_app(engine, Tokenizer.from_dir(ckpt), "m")
+            transport = httpx.ASGITransport(app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://tier") as client:
+                response = await client.post("/v1/chat/completions", json=request)
+        finally:
+            engine.stop()
+        assert response.status_code == 200, response.text
+        answers.append(response.json()["choices"][0]["message"])
+    assert answers[0]["content"] and answers[0] == answers[1]
