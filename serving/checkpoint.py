@@ -72,6 +72,10 @@ def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+# The arrays of an FP4 weight (`kernels.modules.QuantizedWeight`).
+FP4_PARTS = ("packed", "scales", "row_scale")
+
+
 def from_hf_state_dict(hf: dict[str, torch.Tensor], model: CausalLM) -> dict[str, torch.Tensor]:
     """The inverse of `to_hf_state_dict`, driven by our model's own parameter names.
 
@@ -105,10 +109,6 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], model: CausalLM) -> dict[str
             )
         out[full_name] = t
     return out
-
-
-# The arrays of an FP4 weight (`kernels.modules.QuantizedWeight`).
-FP4_PARTS = ("packed", "scales", "row_scale")
 
 
 def hf_name(name: str) -> str:
@@ -174,8 +174,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Cau
     if config.quantization is not None:
         from serving import quantization  # it builds on this module
 
-        hf = quantization.unpack_state_dict(hf)
         fmt = quantization.checkpoint_format(config.quantization)
+        hf = quantization.unpack_state_dict(hf)
         with torch.device("meta"):
             quantization.use_quantized_modules(model, hf, fmt)
     state = from_hf_state_dict(hf, model)

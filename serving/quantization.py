@@ -145,8 +145,7 @@ def use_quantized_modules(model: CausalLM, hf: dict[str, torch.Tensor], format: 
             if f"{first}.weight.packed" in hf:
                 parent, _, attr = name.rpartition(".")
                 fp4 = FP4Linear(
-                    QuantizedWeight.empty(tuple(module.weight.shape), format),
-                    None if module.bias is None else module.bias,
+                    QuantizedWeight.empty(tuple(module.weight.shape), format), module.bias
                 )
                 setattr(model.get_submodule(parent), attr, fp4)
 

@@ -173,6 +173,13 @@ def test_quantize_refuses_what_it_cannot_write(quantized, tmp_path, capsys):
         )
     assert e.value.code == 2
     assert "already quantized" in capsys.readouterr().err
+    awq = tmp_path / "awq"
+    shutil.copytree(quantized["mxfp4", False], awq)
+    config = json.loads((awq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (awq / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="unsupported quantization 'awq'"):
+        load_checkpoint(awq)
 
 
 async def test_tier_server_answers_from_an_fp4_checkpoint(random_checkpoint, tmp_path):
