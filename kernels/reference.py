@@ -10,16 +10,16 @@ import torch.nn.functional as F
 from kernels.formats import FP4Tensor, dequantize_blocks
 
 
-def _scaled_linear(x: torch.Tensor, w: torch.Tensor, row_scale: torch.Tensor | None):
-    """x @ w.t(), times the per-row tensor scale (NVFP4) on the output: one multiply per
-    output element instead of one per weight."""
-    y = F.linear(x, w.to(x.dtype))
-    return y if row_scale is None else y * row_scale.to(x.dtype)
+def _scaled_matmul(x: torch.Tensor, w: torch.Tensor, row_scale: torch.Tensor | None):
+    """x @ w^T (batched over leading dims), times the per-row tensor scale (NVFP4) on the
+    output: one multiply per output element instead of one per weight."""
+    y = torch.matmul(x, w.to(x.dtype).transpose(-1, -2))
+    return y if row_scale is None else y * row_scale.to(x.dtype)[..., None, :]
 
 
 def fp4_linear(x: torch.Tensor, w: FP4Tensor, lookup: bool = True) -> torch.Tensor:
     """x [..., K] @ W.t() for an FP4 weight W [N, K]: the W4A16 dequant-GEMM."""
-    return _scaled_linear(x, dequantize_blocks(w, lookup), w.row_scale)
+    return _scaled_matmul(x, dequantize_blocks(w, lookup), w.row_scale)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -38,10 +38,17 @@ def fp4_moe(
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [T, H], with FP4
     expert weights gate_up [E, 2I, H] and down [E, H, I].
 
-    Token slots are sorted by expert; the used experts' weights are dequantized together
-    (one gather each for gate_up and down: a layer's worth at most, freed after the call)
-    and each runs over its contiguous slice; results are weighted and summed per token.
+    The used experts' weights are dequantized together (one gather each for gate_up and
+    down: a layer's worth at most, freed after the call). A single token (decoding one
+    sequence) runs its k experts as one batched product; otherwise token slots are sorted by
+    expert, each expert runs over its contiguous slice, and results are summed per token.
     """
+    if x.shape[0] == 1:
+        gate_up, down = gate_up.select(topk_ids[0]), down.select(topk_ids[0])
+        xs = x.expand(topk_ids.shape[1], 1, -1)
+        h = silu_and_mul(_scaled_matmul(xs, dequantize_blocks(gate_up, lookup), gate_up.row_scale))
+        out = _scaled_matmul(h, dequantize_blocks(down, lookup), down.row_scale)  # [k, 1, H]
+        return (out.squeeze(1) * topk_weights[0, :, None].to(x.dtype)).sum(0, keepdim=True)
     top_k = topk_ids.shape[1]
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)
@@ -59,8 +66,8 @@ def fp4_moe(
         rs = (
             (None, None) if gate_up.row_scale is None else (gate_up.row_scale[i], down.row_scale[i])
         )
-        h = silu_and_mul(_scaled_linear(xs[seg], gate_up_w[i], rs[0]))
-        out[seg] = _scaled_linear(h, down_w[i], rs[1])
+        h = silu_and_mul(_scaled_matmul(xs[seg], gate_up_w[i], rs[0]))
+        out[seg] = _scaled_matmul(h, down_w[i], rs[1])
         start += n
     slot_weights = topk_weights.flatten()[order].unsqueeze(-1).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, out * slot_weights)
