@@ -98,6 +98,12 @@ def quantize_mxfp4(w: torch.Tensor) -> FP4Tensor:
     )
 
 
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """`448 * 6 / amax`: maps the tensor's largest block onto E4M3's range (1 for amax 0)."""
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    return torch.where(amax > 0, E4M3_MAX * E2M1_MAX / amax, torch.ones_like(amax))
+
+
 def quantize_nvfp4(w: torch.Tensor, amax: torch.Tensor | None = None) -> FP4Tensor:
     """NVFP4. `amax` (broadcastable to `w.shape[:-1]`) sets the tensor scale, by default
     the whole tensor's; pass one per expert, shared by its fused gate and up rows, as
@@ -106,8 +112,7 @@ def quantize_nvfp4(w: torch.Tensor, amax: torch.Tensor | None = None) -> FP4Tens
     w = w.float()
     if amax is None:
         amax = w.abs().amax()
-    amax = torch.as_tensor(amax, dtype=torch.float32).expand(w.shape[:-1])
-    global_scale = torch.where(amax > 0, E4M3_MAX * E2M1_MAX / amax, torch.ones_like(amax))
+    global_scale = nvfp4_global_scale(amax).expand(w.shape[:-1])
     blocks = _blocks(w, BLOCK_SIZE["nvfp4"])
     gs = global_scale[..., None, None]
     block_scale = (blocks.abs().amax(dim=-1, keepdim=True) / E2M1_MAX * gs).clamp(max=E4M3_MAX)

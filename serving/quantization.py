@@ -23,7 +23,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from kernels.formats import BLOCK_SIZE, FP4Format, quantize_mxfp4, quantize_nvfp4
+from kernels.formats import (
+    BLOCK_SIZE,
+    FP4Format,
+    nvfp4_global_scale,
+    quantize_mxfp4,
+    quantize_nvfp4,
+)
 from kernels.modules import FP4Linear, QuantizedWeight
 from serving.checkpoint import TOKENIZER_FILES, hf_name, load_checkpoint, to_hf_state_dict
 from serving.config import CheckpointError
@@ -96,7 +102,7 @@ def quantize_state_dict(
         if format == "nvfp4":
             t = quantize_nvfp4(hf[k], amax[_fused_group(k)])
             out[f"{base}.weight_scale"] = t.scales.view(torch.float8_e4m3fn)
-            out[f"{base}.weight_global_scale"] = (1.0 / t.row_scale[:1]).float()
+            out[f"{base}.weight_global_scale"] = nvfp4_global_scale(amax[_fused_group(k)]).view(1)
         else:
             t = quantize_mxfp4(hf[k])
             out[f"{base}.weight_scale"] = t.scales
