@@ -24,7 +24,6 @@ FP4Format = Literal["mxfp4", "nvfp4"]
 BLOCK_SIZE: dict[str, int] = {"mxfp4": 32, "nvfp4": 16}
 E4M3_MAX = 448.0
 E8M0_BIAS = 127
-_E2M1_EMAX = 2  # exponent of E2M1's largest power of two (4 = 2^2)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """PyTorch reference of the fused kernels: the oracle of the Triton tests and the CPU path.
 
 Weights are dequantized per call, only the experts a step uses, so FP4 weights stay FP4 in
-memory; `loadtests/bench_fp4_cpu.py` measures this against the other CPU options.
+memory; `loadtests/bench_kernels.py` measures this against the other CPU options.
 """
 
 import torch
@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from kernels.formats import FP4Tensor, dequantize_blocks
 
 
-def _scaled_matmul(x: torch.Tensor, w: torch.Tensor, row_scale: torch.Tensor | None):
+def _scaled_matmul(
+    x: torch.Tensor, w: torch.Tensor, row_scale: torch.Tensor | None
+) -> torch.Tensor:
     """x @ w^T (batched over leading dims), times the per-row tensor scale (NVFP4) on the
     output: one multiply per output element instead of one per weight."""
     y = torch.matmul(x, w.to(x.dtype).transpose(-1, -2))
