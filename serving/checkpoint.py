@@ -72,34 +72,46 @@ def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+# The arrays of an FP4 weight (`kernels.modules.QuantizedWeight`).
+FP4_PARTS = ("packed", "scales", "row_scale")
+
+
 def from_hf_state_dict(hf: dict[str, torch.Tensor], model: CausalLM) -> dict[str, torch.Tensor]:
-    """The inverse of `to_hf_state_dict`, driven by our model's own parameter names."""
+    """The inverse of `to_hf_state_dict`, driven by our model's own parameter names.
+
+    An FP4 weight's arrays (`X.packed`, `X.scales`, `X.row_scale`) are split by rows like
+    the plain weight `X` they stand for, so they fuse the same way (`serving/quantization.py`
+    gives the checkpoint's FP4 tensors these names).
+    """
     cfg = model.config
     out = {}
-    for name, param in model.state_dict().items():
-        src = _hf_prefix(name)
+    for full_name, param in model.state_dict().items():
+        name, dot, part = full_name.rpartition(".")
+        if part not in FP4_PARTS:
+            name, dot, part = full_name, "", ""
+        src, part = hf_name(name), dot + part
         if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             kind = name.rsplit(".", 1)[1]
             base = src.rsplit(".qkv_proj", 1)[0]
-            t = torch.cat([_take(hf, f"{base}.{p}_proj.{kind}") for p in "qkv"])
+            t = torch.cat([_take(hf, f"{base}.{p}_proj.{kind}{part}") for p in "qkv"])
         elif name.endswith("mlp.gate_up_proj.weight"):
             base = src.rsplit(".gate_up_proj", 1)[0]
-            t = torch.cat(
-                [_take(hf, f"{base}.gate_proj.weight"), _take(hf, f"{base}.up_proj.weight")]
-            )
+            t = torch.cat([_take(hf, f"{base}.{p}_proj.weight{part}") for p in ("gate", "up")])
         elif name.endswith("mlp.gate_up") or name.endswith("mlp.down"):
-            t = _experts(hf, src, name.endswith("gate_up"), cfg.num_experts)
+            t = _experts(hf, src, name.endswith("gate_up"), cfg.num_experts, part)
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         else:
-            t = _take(hf, src)
+            t = _take(hf, src + part)
         if t.shape != param.shape:
-            raise CheckpointError(f"{src}: shape {tuple(t.shape)}, expected {tuple(param.shape)}")
-        out[name] = t
+            raise CheckpointError(
+                f"{src}{part}: shape {tuple(t.shape)}, expected {tuple(param.shape)}"
+            )
+        out[full_name] = t
     return out
 
 
-def _hf_prefix(name: str) -> str:
+def hf_name(name: str) -> str:
     if name.startswith("mtp."):
         return "mtp.layers." + name[len("mtp.") :]
     if name == "lm_head.weight":
@@ -114,21 +126,18 @@ def _take(hf: dict[str, torch.Tensor], key: str) -> torch.Tensor:
         raise CheckpointError(f"model.safetensors is missing tensor {key!r}") from None
 
 
-def _experts(hf: dict, src: str, gate_up: bool, num_experts: int) -> torch.Tensor:
+def _experts(hf: dict, src: str, gate_up: bool, num_experts: int, part: str) -> torch.Tensor:
     base = src.rsplit(".", 1)[0]  # "...mlp"
-    fused = f"{base}.experts.{'gate_up_proj' if gate_up else 'down_proj'}"
+    fused = f"{base}.experts.{'gate_up_proj' if gate_up else 'down_proj'}{part}"
     if fused in hf:  # already stacked, as transformers holds it in memory
         return hf[fused]
-    per = []
-    for e in range(num_experts):
-        p = f"{base}.experts.{e}"
-        if gate_up:
-            per.append(
-                torch.cat([_take(hf, f"{p}.gate_proj.weight"), _take(hf, f"{p}.up_proj.weight")])
-            )
-        else:
-            per.append(_take(hf, f"{p}.down_proj.weight"))
-    return torch.stack(per)
+    projections = ("gate", "up") if gate_up else ("down",)
+    return torch.stack(
+        [
+            torch.cat([_take(hf, f"{base}.experts.{e}.{p}_proj.weight{part}") for p in projections])
+            for e in range(num_experts)
+        ]
+    )
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -161,8 +170,18 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Cau
     config = ModelConfig.from_file(path / "config.json")
     with torch.device("meta"):
         model = CausalLM(config)
-    state = from_hf_state_dict(read_safetensors(path), model)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=False)
+    hf = read_safetensors(path)
+    if config.quantization is not None:
+        from serving import quantization  # it builds on this module
+
+        fmt = quantization.checkpoint_format(config.quantization)
+        hf = quantization.unpack_state_dict(hf)
+        with torch.device("meta"):
+            quantization.use_quantized_modules(model, hf, fmt)
+    state = from_hf_state_dict(hf, model)
+    # FP4 arrays keep their dtypes (uint8 codes and scales, fp32 row scales).
+    state = {k: v if k.rpartition(".")[2] in FP4_PARTS else v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, assign=True, strict=False)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     # Non-persistent buffers (RoPE tables) were created on meta: rebuild them.

@@ -136,6 +136,28 @@ def add_init_checkpoint(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run_init_checkpoint)
 
 
+def run_quantize(args: argparse.Namespace) -> None:
+    from serving.quantization import quantize_checkpoint
+
+    quantize_checkpoint(args.model, args.out, args.format, args.all_linear)
+    print(args.out)
+
+
+def add_quantize(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "quantize", help="write an FP4 copy of a checkpoint (compressed-tensors layout)"
+    )
+    parser.add_argument("--model", required=True, type=Path, help="checkpoint directory")
+    parser.add_argument("--format", required=True, choices=["mxfp4", "nvfp4"])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument(
+        "--all-linear",
+        action="store_true",
+        help="also the attention and dense MLP projections (default: expert weights only)",
+    )
+    parser.set_defaults(run=run_quantize)
+
+
 def run_sandbox_exec(args: argparse.Namespace) -> None:
     from training.sandbox import Limits, run_code
 
@@ -254,6 +276,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_engine,
     add_generate,
     add_init_checkpoint,
+    add_quantize,
     add_sandbox,
     add_eval,
     add_train,

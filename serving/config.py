@@ -49,6 +49,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # config.json's `quantization_config` (FP4 checkpoints, `serving/quantization.py`)
+    quantization: dict[str, Any] | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -108,6 +110,7 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_id=raw.get("eos_token_id"),
                 pad_token_id=raw.get("pad_token_id"),
+                quantization=raw.get("quantization_config"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"malformed config.json: {e!r}") from e
@@ -170,4 +173,6 @@ class ModelConfig:
             }
         if self.mtp is not None:
             out["tierserve_mtp"] = asdict(self.mtp)
+        if self.quantization is not None:
+            out["quantization_config"] = self.quantization
         return out

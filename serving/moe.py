@@ -9,12 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.modules import QuantizedWeight
+from kernels.ops import fp4_moe_for
+from kernels.reference import silu_and_mul
 from serving.config import ModelConfig
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class DenseMLP(nn.Module):
@@ -92,6 +90,8 @@ PADDED_CAPACITY = 16
 
 
 class SparseMoE(nn.Module):
+    """`gate_up` and `down` are parameters, or `QuantizedWeight`s in an FP4 model."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
@@ -110,4 +110,9 @@ class SparseMoE(nn.Module):
         if router_logits_out is not None:
             router_logits_out.append(logits)
         weights, experts = route(logits, self.top_k, self.norm_topk_prob)
-        return grouped_experts(x, weights, experts, self.gate_up, self.down).view(shape)
+        if isinstance(self.gate_up, QuantizedWeight):
+            moe = fp4_moe_for(x.device)
+            y = moe(x, weights, experts, self.gate_up.tensor, self.down.tensor)
+        else:
+            y = grouped_experts(x, weights, experts, self.gate_up, self.down)
+        return y.view(shape)

@@ -1,0 +1,118 @@
+"""FP4 checkpoints against the unquantized model in our engine, side by side in one run.
+
+On the common benchmark shape (`bench-moe-43m.json`, random weights), the fp32 checkpoint
+and its `tierserve quantize` copies (MXFP4 and NVFP4 experts; NVFP4 on every linear layer)
+are served by the same engine on CPU: greedy, prompts of 64-256 tokens, 128 new tokens,
+1/4/16 concurrent requests. Prints the resident weight memory of each model and its decode
+tokens/s (tokens generated once every request has its first token, over that time).
+
+    python loadtests/bench_fp4_engine.py [--concurrency 1 4 16] [--new-tokens 128]
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from bench_engine import build_checkpoint, make_prompts
+
+from serving.checkpoint import load_checkpoint
+from serving.engine import EngineConfig, LLMEngine
+from serving.quantization import quantize_checkpoint
+from serving.sampling_params import SamplingParams
+
+VARIANTS = {  # name: (format, all_linear), None for the unquantized checkpoint
+    "fp32": None,
+    "mxfp4 experts": ("mxfp4", False),
+    "nvfp4 experts": ("nvfp4", False),
+    "nvfp4 all linear": ("nvfp4", True),
+}
+
+
+def variant_checkpoints(full: Path) -> dict[str, Path]:
+    """Each variant's checkpoint directory, quantized from `full` on first use."""
+    paths = {}
+    for name, variant in VARIANTS.items():
+        path = full
+        if variant is not None:
+            path = full.with_name(f"{full.name}-{name.replace(' ', '-')}")
+            if not (path / "model.safetensors").exists():
+                quantize_checkpoint(full, path, *variant)
+        paths[name] = path
+    return paths
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Parameters and persistent buffers (FP4 codes and scales), each tensor counted once."""
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
+    return sum(t.nbytes for t in tensors.values())
+
+
+def decode_tokens_per_second(engine: LLMEngine, prompts: list[list[int]], new: int) -> float:
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    tag = time.monotonic()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"fp4-{tag}-{i}", p, params)
+    started: set[str] = set()
+    decoded, decode_start = 0, None
+    while engine.has_unfinished():
+        outs = engine.step()
+        if decode_start is not None:
+            decoded += sum(len(o.token_ids) for out in outs for o in out.outputs)
+        started.update(out.request_id for out in outs)
+        if decode_start is None and len(started) == len(prompts):
+            decode_start = time.monotonic()
+    return decoded / (time.monotonic() - decode_start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/tierserve-bench-moe-43m"))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2, help="best of this many runs")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="CPU threads (1 is steadier on a busy machine)"
+    )
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    full = build_checkpoint(args.checkpoint)
+    engines, nbytes = {}, {}
+    for name, path in variant_checkpoints(full).items():
+        model = load_checkpoint(path)
+        nbytes[name] = weight_bytes(model)
+        engines[name] = LLMEngine(
+            model, EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024), []
+        )
+    vocab = engines["fp32"].runner.model.config.vocab_size
+    for engine in engines.values():
+        decode_tokens_per_second(engine, make_prompts(2, vocab, seed=99), 8)  # warm up
+    # Variants take turns within each repeat, so a busy spell on the machine hits all alike.
+    speeds = {name: [0.0] * len(args.concurrency) for name in engines}
+    for j, c in enumerate(args.concurrency):
+        prompts = make_prompts(c, vocab, seed=c)
+        for _ in range(args.repeats):
+            for name, engine in engines.items():
+                tps = decode_tokens_per_second(engine, prompts, args.new_tokens)
+                speeds[name][j] = max(speeds[name][j], tps)
+        print(
+            f"{c} concurrent: " + ", ".join(f"{n} {s[j]:.0f}" for n, s in speeds.items()),
+            flush=True,
+        )
+    print(
+        f"\n{full.name}: greedy, prompts of 64-256 tokens, {args.new_tokens} new tokens, "
+        f"{torch.get_num_threads()} threads, best of {args.repeats}"
+    )
+    head = " | ".join(f"decode tok/s, {c} concurrent" for c in args.concurrency)
+    print(f"| model | weight MiB | vs fp32 | {head} |")
+    print("|---|---|---|" + "---|" * len(args.concurrency))
+    for name in engines:
+        cells = " | ".join(
+            f"{s:.0f} ({s / b:.2f}x)" for s, b in zip(speeds[name], speeds["fp32"], strict=True)
+        )
+        ratio = nbytes[name] / nbytes["fp32"]
+        print(f"| {name} | {nbytes[name] / 2**20:.1f} | {ratio:.2f}x | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
