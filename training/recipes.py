@@ -107,7 +107,7 @@ def _size_mb(path: Path) -> float:
 
 def write_card(model_dir: Path, title: str, how: str, table: str, command: str) -> None:
     config = json.loads((model_dir / "config.json").read_text())
-    params = sum(t.numel() for t in load_checkpoint(model_dir).state_dict().values())
+    params = sum(p.numel() for p in load_checkpoint(model_dir).parameters())  # tied: once
     card = (
         f"# {title}\n\n{how}\n\n"
         f"- architecture: `{config['architectures'][0]}`, {params / 1e6:.2f}M parameters, "
