@@ -1,10 +1,11 @@
 """How far FP4 moves the model: KL divergence and top-1 agreement of next-token
 distributions against the unquantized checkpoint, per FP4 variant.
 
-Until a trained model ships (#4) this runs on the common benchmark checkpoint (random
-weights, `bench-moe-43m.json`): 16 random prompts of 128 tokens, every position scored.
-Random weights give nearly flat distributions (the full model's entropy is printed next
-to ln(vocab)), so these figures bound the numerical change, not task quality.
+`--checkpoint` is the model to quantize: by default the common benchmark checkpoint (random
+weights, `bench-moe-43m.json`, built if missing), whose nearly flat distributions (the
+entropy is printed next to ln(vocab)) bound the numerical change; pass a trained one
+(`--checkpoint ../models/demo-highspeed`) to see it on real distributions. 16 random prompts
+of 128 tokens, every position scored. Task quality is `tierserve eval` on both checkpoints.
 
     python loadtests/fp4_quality.py
 """
