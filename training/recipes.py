@@ -10,6 +10,7 @@ recipe is run again. A recipe is a directory of TOML files (`training/recipes/NA
 import asyncio
 import json
 import shutil
+import tempfile
 import time
 import tomllib
 from importlib import resources
@@ -64,9 +65,9 @@ def draft_agreement(draft_dir: Path, full_dir: Path, data: DataConfig, seq_len: 
     model's, teacher-forced on reference turns of tasks neither model trained on (training
     seeds past the ones the recipe used: the evaluation seed space is reserved for eval)."""
     tokenizer = Tokenizer.from_dir(full_dir)
-    path = draft_dir.parent / "agreement.jsonl"
-    build_sft(data, "think", tokenizer, path, seq_len)
-    dataset = SFTDataset(path, tokenizer.raw.token_to_id(PAD_TOKEN))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_sft(data, "think", tokenizer, Path(tmp) / "agreement.jsonl", seq_len)
+        dataset = SFTDataset(path, tokenizer.raw.token_to_id(PAD_TOKEN))
     draft, full = load_checkpoint(draft_dir), load_checkpoint(full_dir)
     agree = total = 0
     with torch.inference_mode():
