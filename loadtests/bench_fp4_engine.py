@@ -10,6 +10,7 @@ tokens/s (tokens generated once every request has its first token, over that tim
 """
 
 import argparse
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,12 +31,14 @@ VARIANTS = {  # name: (format, all_linear), None for the unquantized checkpoint
 
 
 def variant_checkpoints(full: Path) -> dict[str, Path]:
-    """Each variant's checkpoint directory, quantized from `full` on first use."""
+    """Each variant's checkpoint directory, quantized from `full` on first use into the
+    system's temporary directory (never beside `full`, which may be a shipped model)."""
+    cache = Path(tempfile.gettempdir()) / "tierserve-fp4-variants"
     paths = {}
     for name, variant in VARIANTS.items():
         path = full
         if variant is not None:
-            path = full.with_name(f"{full.name}-{name.replace(' ', '-')}")
+            path = cache / f"{full.name}-{name.replace(' ', '-')}"
             if not (path / "model.safetensors").exists():
                 quantize_checkpoint(full, path, *variant)
         paths[name] = path
