@@ -3,17 +3,17 @@ rates at each evaluation."""
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display: write files only
-import matplotlib.pyplot as plt
-
-LOSS_TERMS = ("loss", "mtp_loss", "kd_loss", "aux_loss", "z_loss")
+LOSS_TERMS = ("loss", "ce", "mtp_loss", "aux_loss", "z_loss")
 
 
 def plot_curves(log: list[dict], evals: list[dict], out: Path, title: str) -> None:
     if not log:
         return
+    import matplotlib  # the `train` extra; imported here so the tokenizer needs none of it
+
+    matplotlib.use("Agg")  # no display: write files only
+    import matplotlib.pyplot as plt
+
     panels = 3 if evals else 2
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.6))
     steps = [row["step"] for row in log]

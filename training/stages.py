@@ -100,9 +100,7 @@ def export(model: CausalLM, out: Path, tokenizer_dir: Path, dtype: torch.dtype) 
     state = {k: v.detach().to(dtype).clone() for k, v in model.state_dict().items()}
     fresh.load_state_dict(state)
     fresh.to(dtype)
-    tok = Tokenizer.from_dir(tokenizer_dir)
-    eos = tok.raw.token_to_id(EOS_TOKEN)
-    save_checkpoint(fresh, out, tokenizer_dir, generation_config={"eos_token_id": eos})
+    save_checkpoint(fresh, out, tokenizer_dir)  # generation_config from the model's config
     return out
 
 
