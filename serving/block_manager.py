@@ -103,6 +103,18 @@ class BlockManager:
                 self.cached[parent] = block
                 self.hash_of[block] = parent
 
+    def free_unused(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the blocks of the first `num_tokens` positions: rejected speculative
+        drafts give back the blocks allocated for them. Those blocks hold no computed
+        full block, so none is shared or cached."""
+        keep = self.blocks_needed(num_tokens)
+        for block in reversed(seq.block_table[keep:]):
+            self.ref_count[block] -= 1
+            assert self.ref_count[block] == 0 and self.hash_of[block] is None
+            self.free[block] = None
+            self.free.move_to_end(block, last=False)
+        del seq.block_table[keep:]
+
     def free_sequence(self, seq: Sequence) -> None:
         """Release a sequence's blocks (tail first, so the tail is evicted first)."""
         for block in reversed(seq.block_table):

@@ -11,12 +11,14 @@ from serving.checkpoint import load_checkpoint
 from serving.detokenizer import IncrementalDetokenizer
 from serving.json_constraint import JsonObjectConstraint, json_vocabulary
 from serving.model import CausalLM
-from serving.model_runner import ModelRunner, kv_bytes_per_block
+from serving.model_runner import ModelRunner, SampledTokens, kv_bytes_per_block
 from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler
 from serving.sequence import Sequence, TokenLogprob
 from serving.tokenizer import Tokenizer
 from serving.tool_constraint import ToolCallConstraint
+from speculative.config import SpeculativeConfig
+from speculative.speculator import make_speculator
 
 
 class EngineInputError(ValueError):
@@ -31,6 +33,7 @@ class EngineConfig:
     kv_cache_bytes: int = 256 << 20
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -63,6 +66,10 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Speculative decoding, totals over the request's sequences so far.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -108,6 +115,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, config.block_size, sorted(self.eos_token_ids))
         self.requests: dict[str, _Request] = {}
+        self.speculator = (
+            make_speculator(config.speculative, self.runner, self.blocks, self.max_model_len)
+            if config.speculative
+            else None
+        )
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
@@ -175,8 +187,13 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                self._finish(seq)
         return True
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.speculator:
+            self.speculator.release(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -190,16 +207,18 @@ class LLMEngine:
         start = time.monotonic()
         for seq, _ in plan.scheduled:
             seq.scheduled_time = seq.scheduled_time or start  # queue time ends here
-        sampled = self.runner.run(plan.scheduled)
+        step = self.runner.run(plan.scheduled)
         now = time.monotonic()
+        verified = {s.seq.seq_id for s in step.sampled if s.num_draft_tokens}
         for seq, n in plan.scheduled:
-            seq.num_computed_tokens += n
-            self.blocks.register_computed(seq)
+            if seq.seq_id not in verified:
+                seq.num_computed_tokens += n
+                self.blocks.register_computed(seq)
         deltas: dict[str, list[SequenceOutput]] = {}
-        for s in sampled:
-            deltas.setdefault(s.seq.request_id, []).append(
-                self._append(s.seq, s.token_id, s.logprob, now)
-            )
+        for s in step.sampled:
+            deltas.setdefault(s.seq.request_id, []).append(self._commit(s, now))
+        if self.speculator:
+            self.speculator.propose(step, self.scheduler.running)
         outputs = []
         for request_id, outs in deltas.items():
             req = self.requests[request_id]
@@ -208,6 +227,23 @@ class LLMEngine:
                 del self.requests[request_id]
             outputs.append(out)
         return outputs
+
+    def _commit(self, s: SampledTokens, now: float) -> SequenceOutput:
+        """Append what a sequence got this step: one token, or the drafts the target kept
+        and one more, each exactly as if decoded alone (stops, max_tokens, streaming)."""
+        seq = s.seq
+        if not s.num_draft_tokens:
+            return self._append(seq, s.token_ids[0], s.logprobs[0] if s.logprobs else None, now)
+        self.speculator.record(seq, s.num_draft_tokens, len(s.token_ids) - 1)
+        delta = SequenceOutput(seq.index)
+        for i, token in enumerate(s.token_ids):
+            seq.num_computed_tokens += 1  # the token before this one is now in the cache
+            self.blocks.register_computed(seq)
+            delta.extend(self._append(seq, token, s.logprobs[i] if s.logprobs else None, now))
+            if seq.is_finished:
+                return delta
+        self.blocks.free_unused(seq, seq.num_computed_tokens)  # rejected drafts' blocks
+        return delta
 
     def _append(
         self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float
@@ -240,7 +276,7 @@ class LLMEngine:
             if detok is not None and detok.stop_reason is None:
                 delta.text += detok.flush()
             seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
-            self.scheduler.finish(seq)
+            self._finish(seq)
         return delta
 
     def _request_output(self, req: _Request, outs: list[SequenceOutput]) -> RequestOutput:
@@ -254,6 +290,9 @@ class LLMEngine:
             arrival_time=first.arrival_time,
             first_scheduled_time=first.scheduled_time,
             first_token_time=first.first_token_time,
+            num_drafts=sum(s.num_drafts for s in req.seqs),
+            num_draft_tokens=sum(s.num_draft_tokens for s in req.seqs),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs),
         )
         if not req.sent_first:
             req.sent_first = True

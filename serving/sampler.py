@@ -153,14 +153,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     top_ks = [row.params.top_k for row, g in zip(rows, greedy, strict=True) if not g]
     if min(top_ks) > 0:  # no sampled row looks past the max(top_k) best: drop the other columns
         logits, candidates = logits.topk(min(max(top_ks), vocab), dim=-1)
-    if any(p.min_p > 0 for p in params):  # p_i < min_p * p_max, in log space; log(0) = -inf
-        min_p = _column([p.min_p for p in params], logits)
-        threshold = logits.amax(dim=-1, keepdim=True) + min_p.log()
-        logits.masked_fill_(logits < threshold, -math.inf)
-    use_k = any(p.top_k > 0 for p in params)
-    use_p = any(p.top_p < 1 for p in params)
-    if use_k or use_p:
-        logits = _top_k_top_p(logits, params, use_k, use_p)
+    logits = filter_logits(logits, params)
     sampled = _race(logits, rows, greedy, candidates, vocab)
     return torch.where(torch.tensor(greedy, device=logits.device), greedy_ids, sampled)
 
@@ -252,6 +245,19 @@ def _race(
     if candidates is None:
         return sampled
     return candidates.gather(1, sampled.unsqueeze(1)).squeeze(1)
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Applies min_p, top_k and top_p to temperature-scaled logits (min_p in place)."""
+    if any(p.min_p > 0 for p in params):  # p_i < min_p * p_max, in log space; log(0) = -inf
+        min_p = _column([p.min_p for p in params], logits)
+        threshold = logits.amax(dim=-1, keepdim=True) + min_p.log()
+        logits.masked_fill_(logits < threshold, -math.inf)
+    use_k = any(p.top_k > 0 for p in params)
+    use_p = any(p.top_p < 1 for p in params)
+    if use_k or use_p:
+        logits = _top_k_top_p(logits, params, use_k, use_p)
+    return logits
 
 
 def _top_k_top_p(

@@ -1,11 +1,13 @@
 """Continuous batching: which sequences run this step, and how many tokens each.
 
 Every sequence simply has tokens still to compute: a whole prompt, the rest of a prompt
-(chunked prefill), or the one token sampled last step (decode). Running sequences are
-served first, oldest first, within a per-step token budget; waiting ones are admitted in
-arrival order while budget, sequence slots and cache blocks last. When the cache runs out
-the newest running sequence is preempted: its blocks are freed and it is recomputed later
-(its full blocks usually survive in the prefix cache, which makes that cheap).
+(chunked prefill), or the one token sampled last step (decode), followed by its
+speculative drafts if it has any (cut first when the budget runs short). Running
+sequences are served first, oldest first, within a per-step token budget; waiting ones are
+admitted in arrival order while budget, sequence slots and cache blocks last. When the
+cache runs out the newest running sequence is preempted: its blocks are freed and it is
+recomputed later (its full blocks usually survive in the prefix cache, which makes that
+cheap).
 """
 
 from collections import deque
@@ -47,7 +49,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq) - seq.num_computed_tokens, budget)
+            uncomputed = len(seq) - seq.num_computed_tokens
+            n = min(uncomputed + len(seq.draft_token_ids), budget)
+            if n - uncomputed < len(seq.draft_token_ids):  # the budget cuts into the drafts
+                seq.draft_token_ids = seq.draft_token_ids[: max(0, n - uncomputed)]
+                if seq.draft_probs is not None:
+                    seq.draft_probs = seq.draft_probs[: len(seq.draft_token_ids)]
             while not self.blocks.allocate_slots(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -86,6 +93,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_sequence(seq)
+        seq.clear_drafts()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)

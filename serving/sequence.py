@@ -57,11 +57,23 @@ class Sequence:
     last_token_time: float | None = None
     num_preemptions: int = 0
     constraint: JsonObjectConstraint | None = None  # what it may sample next (json_object)
+    # Speculative decoding: tokens proposed for the next step, to be verified after the
+    # last token, and the drafter's distributions [k, V] they were drawn from (None when
+    # proposed deterministically); then the request's totals, as vLLM reports them.
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids = []
+        self.draft_probs = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

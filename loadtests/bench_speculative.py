@@ -1,0 +1,169 @@
+"""Speculative decoding against plain decoding, side by side in one run.
+
+Speculation only pays with drafters that agree with the target, so this runs the shipped
+demo models (random-weight models such as the common benchmark shape would accept
+nothing): the target (default `models/demo-full`) with each drafter: n-gram prompt lookup,
+its own MTP layer, and `models/demo-draft`. Prompts are held-out tasks of the four domains
+rendered by the chat template; greedy decoding, up to `--new-tokens` per request.
+Requests run in groups of `concurrency` under continuous batching; output tokens/s is all
+generated tokens over the wall time (prefill included). Every speculative run is checked
+token for token against the plain run. Methods alternate within each round, and the
+median over rounds is reported, so slow periods of a noisy machine hit all alike.
+
+    python loadtests/bench_speculative.py [--concurrency 1 4 16] [--new-tokens 128] [--k 4]
+"""
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from serving.engine import EngineConfig, LLMEngine
+from serving.model_runner import TokenSpan
+from serving.sampling_params import SamplingParams
+from serving.tokenizer import Tokenizer
+from speculative.config import SpeculativeConfig
+from training.eval import DOMAINS, load_domain
+from training.seeds import EVAL_SEED_BASE
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def task_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
+    """n held-out tasks, domains and difficulties 1-3 in turn, as chat prompts."""
+    domains = [load_domain(name) for name in DOMAINS]
+    prompts = []
+    for i in range(n):
+        task = domains[i % len(domains)].generate(EVAL_SEED_BASE + i, 1 + i // len(domains) % 3)
+        messages = [{"role": "user", "content": task.prompt}]
+        text = tokenizer.apply_chat_template(messages, tools=task.tools)
+        prompts.append(tokenizer.encode(text))
+    return prompts
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], concurrency: int, new: int):
+    """Token ids per prompt and the output tokens/s, `concurrency` requests at a time."""
+    params = SamplingParams(max_tokens=new, temperature=0.0)
+    outputs: list[list[int]] = []
+    start = time.monotonic()
+    for i in range(0, len(prompts), concurrency):
+        for out in engine.generate(prompts[i : i + concurrency], params):
+            outputs.append(out[0].token_ids)
+    elapsed = time.monotonic() - start
+    return outputs, sum(map(len, outputs)) / elapsed
+
+
+def _ms(fn, calls: int = 200) -> float:
+    for _ in range(20):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+@torch.inference_mode()
+def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
+    """What `speculative.speculator`'s cost model needs, in plain decode steps (1 token),
+    at a context of 300 tokens."""
+
+    def span(n: int) -> list[TokenSpan]:
+        return [TokenSpan(list(range(32)), 300, list(range(10, 10 + n)))]
+
+    decode = _ms(lambda: target.runner.forward(span(1)))
+    verify = _ms(lambda: target.runner.forward(span(k + 1)))
+    draft_ms = _ms(lambda: draft.runner.forward(span(1)))
+    model = target.model
+    ids, positions, meta = target.runner.prepare(span(1))
+    hidden = model.embed_tokens(ids)
+    rope = model.rotary(positions, hidden.dtype)
+    mtp_ms = _ms(lambda: model.mtp[0](hidden, model.embed_tokens(ids), rope, meta, None))
+    print(
+        f"target forward: 1 token {decode:.2f} ms, {k + 1} tokens {verify:.2f} ms "
+        f"(VERIFY_COST ~ {verify / decode - 1:.2f}); one draft: MTP layer {mtp_ms:.2f} ms "
+        f"(c ~ {mtp_ms / decode:.2f}), draft model {draft_ms:.2f} ms (c ~ {draft_ms / decode:.2f})"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", type=Path, default=MODELS / "demo-full")
+    parser.add_argument("--draft", type=Path, default=MODELS / "demo-draft")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--requests", type=int, default=16, help="per concurrency level")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--costs", action="store_true", help="measure the cost model only")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.costs:
+        target = LLMEngine.from_checkpoint(args.target)
+        measure_costs(target, LLMEngine.from_checkpoint(args.draft), args.k)
+        return
+
+    specs = {
+        "none": None,
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=args.k),
+        "mtp": SpeculativeConfig(method="mtp", num_speculative_tokens=args.k),
+        "draft": SpeculativeConfig(method="draft", model=args.draft, num_speculative_tokens=args.k),
+    }
+    engines = {
+        name: LLMEngine.from_checkpoint(args.target, EngineConfig(speculative=spec))
+        for name, spec in specs.items()
+    }
+    prompts = task_prompts(engines["none"].tokenizer, max(args.requests, max(args.concurrency)))
+    print(
+        f"target {args.target.name}, greedy, {len(prompts)} held-out task prompts "
+        f"({min(map(len, prompts))}-{max(map(len, prompts))} tokens), up to {args.new_tokens} "
+        f"new tokens, k <= {args.k}, {args.threads} thread(s), median of {args.rounds} rounds"
+    )
+    rows = []
+    total = len(args.concurrency) * args.rounds * len(engines)
+    with tqdm(total=total, desc="bench", unit="run") as bar:
+        for c in args.concurrency:
+            speeds: dict[str, list[float]] = {name: [] for name in engines}
+            identical = dict.fromkeys(engines, True)
+            before = {n: _counts(e) for n, e in engines.items()}
+            run(engines["none"], prompts[:c], c, 8)  # warm-up
+            for _ in range(args.rounds):
+                reference = None
+                for name, engine in engines.items():
+                    outputs, speed = run(engine, prompts, c, args.new_tokens)
+                    reference = reference or outputs
+                    identical[name] &= outputs == reference
+                    speeds[name].append(speed)
+                    bar.update()
+            base = statistics.median(speeds["none"])
+            for name, engine in engines.items():
+                drafts, draft_tokens, accepted = (
+                    a - b for a, b in zip(_counts(engine), before[name], strict=True)
+                )
+                speed = statistics.median(speeds[name])
+                rows.append(
+                    f"| {c} | {name} | {speed:.1f} | {speed / base:.2f}x | "
+                    + (
+                        f"{accepted / draft_tokens:.1%} | {1 + accepted / drafts:.2f} | "
+                        if drafts
+                        else "- | - | "
+                    )
+                    + ("yes" if identical[name] else "**NO**")
+                    + " |"
+                )
+    print("| concurrency | drafter | output tok/s | vs none | acceptance | mean accepted "
+          "length | greedy-identical |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+def _counts(engine: LLMEngine) -> tuple[int, int, int]:
+    s = engine.speculator.stats if engine.speculator else None
+    return (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) if s else (0, 0, 0)
+
+
+if __name__ == "__main__":
+    main()

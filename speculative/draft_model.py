@@ -1,0 +1,126 @@
+"""A small draft model sharing the target's tokenizer proposes tokens one by one.
+
+It has its own paged KV cache and block manager. Each sequence being drafted has a shadow
+sequence there: the tokens whose keys and values the draft model holds. Before drafting,
+the shadow is cut back to its common prefix with the real sequence (drafts the target
+rejected are dropped, their blocks freed), the new tokens are fed as one chunk (the whole
+prompt the first time), then k - 1 decode steps give the rest; every step batches all
+sequences being drafted.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from serving.block_manager import BlockManager
+from serving.checkpoint import load_checkpoint
+from serving.model_runner import ModelRunner, StepOutput, TokenSpan, kv_bytes_per_block
+from serving.sampling_params import SamplingParams
+from serving.sequence import Sequence
+from speculative.verify import draw, processed_probs
+
+
+def propose_tokens(
+    logits: torch.Tensor, seqs: list[Sequence]
+) -> tuple[list[int], list[torch.Tensor | None]]:
+    """One draft token per row, greedy or drawn from the row's processed distribution
+    (whose row is returned, the q of rejection sampling)."""
+    tokens: list[int] = []
+    probs: list[torch.Tensor | None] = []
+    for row, seq in zip(logits, seqs, strict=True):
+        if seq.params.greedy:
+            tokens.append(int(row.argmax()))
+            probs.append(None)
+        else:
+            q = processed_probs(row[None], seq.params)
+            tokens.append(int(draw(q, seq.generator)))
+            probs.append(q[0])
+    return tokens, probs
+
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class _Shadow:
+    seq: Sequence  # the draft model's copy: its tokens, computed prefix and blocks
+    synced: int = 0  # its first `synced` tokens are known to equal the real sequence's
+
+
+class DraftModelProposer:
+    def __init__(self, path: Path, num_target_blocks: int, block_size: int, vocab: int) -> None:
+        model = load_checkpoint(path)
+        if model.config.vocab_size > vocab or model.config.num_experts:
+            raise ValueError(f"{path}: a draft model must be dense and share the tokenizer")
+        # As many blocks as the target: a shadow never holds more tokens than its sequence.
+        dtype = model.embed_tokens.weight.dtype
+        self.kv_cache_bytes = num_target_blocks * kv_bytes_per_block(
+            model.config, block_size, dtype
+        )
+        self.runner = ModelRunner(model, num_target_blocks, block_size, [])
+        self.blocks = BlockManager(num_target_blocks, block_size, enable_prefix_caching=False)
+        self.vocab = vocab
+        self.max_len = model.config.max_position_embeddings
+        self.shadows: dict[int, _Shadow] = {}
+
+    def _sync(self, seq: Sequence) -> _Shadow:
+        """The shadow cut back to its common prefix with `seq`: only tokens fed since the
+        last sync (drafts) can differ."""
+        shadow = self.shadows.get(seq.seq_id)
+        if shadow is None:
+            shadow = self.shadows[seq.seq_id] = _Shadow(Sequence(seq.request_id, [], _GREEDY))
+        tokens = shadow.seq.token_ids
+        match = shadow.synced
+        end = min(shadow.seq.num_computed_tokens, len(seq))
+        while match < end and tokens[match] == seq.token_ids[match]:
+            match += 1
+        shadow.seq.num_computed_tokens = match
+        shadow.seq.token_ids = list(seq.token_ids)
+        shadow.synced = len(seq)
+        self.blocks.free_unused(shadow.seq, match)
+        return shadow
+
+    def propose(self, seqs: list[Sequence], ks: list[int], step: StepOutput) -> None:
+        shadows, live, todo = [], [], []
+        for seq, k in zip(seqs, ks, strict=True):
+            seq.clear_drafts()
+            shadow = self._sync(seq).seq
+            # Room for the new tokens and k - 1 drafts fed back (the k-th is never fed).
+            new = len(seq) - shadow.num_computed_tokens + k - 1
+            if len(seq) + k <= self.max_len and self.blocks.allocate_slots(shadow, new):
+                shadows.append(shadow)
+                live.append(seq)
+                todo.append(k)
+        if not live:
+            return
+        spans = [
+            TokenSpan(s.block_table, s.num_computed_tokens, s.token_ids[s.num_computed_tokens :])
+            for s in shadows
+        ]
+        order = sorted(range(len(spans)), key=lambda i: len(spans[i].token_ids) != 1)
+        probs: list[list[torch.Tensor | None]] = [[] for _ in live]
+        for depth in range(max(todo)):
+            active = [i for i in order if todo[i] > depth]
+            hidden = self.runner.forward([spans[i] for i in active])
+            ends = torch.tensor([len(spans[i].token_ids) for i in active]).cumsum(0) - 1
+            logits = self.runner.model.compute_logits(hidden[ends])[:, : self.vocab]
+            tokens, qs = propose_tokens(logits, [live[i] for i in active])
+            for i, token, q in zip(active, tokens, qs, strict=True):
+                shadow, seq = shadows[i], live[i]
+                shadow.num_computed_tokens += len(spans[i].token_ids)
+                shadow.token_ids.append(token)
+                seq.draft_token_ids.append(token)
+                probs[i].append(q)
+                spans[i] = TokenSpan(shadow.block_table, shadow.num_computed_tokens, [token])
+        for seq, qs in zip(live, probs, strict=True):
+            if qs[0] is not None:
+                seq.draft_probs = torch.stack(qs)
+
+    def pause(self, step: StepOutput) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        shadow = self.shadows.pop(seq.seq_id, None)
+        if shadow is not None:
+            self.blocks.free_sequence(shadow.seq)

@@ -1,0 +1,160 @@
+"""When to speculate and how far: drafts for the next step, chosen after each step.
+
+Speculation pays when drafts are accepted and the engine has compute to spare. Per
+request, the lookahead k maximises expected tokens per unit of step cost: with per-token
+acceptance a, a step with k drafts yields 1 + a + ... + a^k tokens and costs
+1 + VERIFY_COST + c k plain decode steps: verifying any drafts at all costs VERIFY_COST
+(a sparse model's k + 1 tokens route to more experts than one token does, and take the
+chunked attention path), each draft c more (drafting it, and verifying it). Both are
+measured on this CPU with the demo models by `loadtests/bench_speculative.py --costs`.
+a is estimated per request from its accepted and rejected drafts, decayed so it follows
+the text. A request whose best k is 0 stops speculating and probes with one draft every
+`PROBE_EVERY` steps. Steps with more running requests than `disable_by_batch_size` do
+not speculate at all: a full batch already keeps the hardware busy, and verifying drafts
+would only add work.
+"""
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from serving.block_manager import BlockManager
+from serving.model_runner import ModelRunner, StepOutput
+from serving.sequence import Sequence
+from speculative.config import SpeculativeConfig
+from speculative.draft_model import DraftModelProposer
+from speculative.mtp import MTPProposer
+from speculative.ngram import NgramProposer
+
+# In plain decode steps of the target: verifying drafts at all, and each draft (c above).
+VERIFY_COST = 0.45
+DRAFT_COST = {"ngram": 0.03, "mtp": 0.25, "draft": 0.25}
+PROBE_EVERY = 8
+_DECAY = 0.8
+_PRIOR = (1.5, 1.0)  # (accepted, rejected) before any evidence: a = 0.6
+
+
+class Proposer(Protocol):
+    """A drafter. `propose` sets `draft_token_ids` (and `draft_probs` when it samples) of
+    each sequence for up to its k tokens, after a step whose output it may read; `pause`
+    replaces it in steps without speculation; `release` forgets a finished sequence."""
+
+    def propose(self, seqs: list[Sequence], ks: list[int], step: StepOutput) -> None: ...
+
+    def pause(self, step: StepOutput) -> None: ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+
+@dataclass
+class SpecDecodeStats:
+    """Engine totals since start, exported as Prometheus counters."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = _PRIOR[0]
+    rejected: float = _PRIOR[1]
+    idle_steps: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+def best_lookahead(rate: float, cost: float, max_k: int) -> int:
+    """argmax over k of (1 + a + ... + a^k) / (1 + VERIFY_COST + c k), or 0."""
+    best, best_value, expected = 0, 1.0, 1.0
+    for k in range(1, max_k + 1):
+        expected += rate**k
+        value = expected / (1 + VERIFY_COST + cost * k)
+        if value > best_value:
+            best, best_value = k, value
+    return best
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.cost = DRAFT_COST[config.method]
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.acceptance: dict[int, _Acceptance] = {}
+
+    @staticmethod
+    def speculable(seq: Sequence) -> bool:
+        """Requests whose next-token distribution depends on more than the model and the
+        sampling filters (penalties, EOS masked by min_tokens, constrained JSON) are
+        decoded one token at a time."""
+        p = seq.params
+        return (
+            seq.constraint is None
+            and not p.uses_penalties
+            and seq.num_output_tokens >= p.min_tokens
+        )
+
+    def lookahead(self, seq: Sequence) -> int:
+        state = self.acceptance.setdefault(seq.seq_id, _Acceptance())
+        k = best_lookahead(state.rate, self.cost, self.config.num_speculative_tokens)
+        if k == 0:
+            state.idle_steps += 1
+            k = 1 if state.idle_steps % PROBE_EVERY == 0 else 0
+        # Drafts past max_tokens are never emitted; positions past the context never exist.
+        left = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq))
+        return max(0, min(k, left))
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        seq.num_drafts += 1
+        seq.num_draft_tokens += num_drafts
+        seq.num_accepted_tokens += num_accepted
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            stats.accepted_per_position[i] += 1
+        state = self.acceptance.setdefault(seq.seq_id, _Acceptance())
+        state.accepted = _DECAY * state.accepted + num_accepted
+        state.rejected = _DECAY * state.rejected + (num_accepted < num_drafts)
+
+    @torch.inference_mode()
+    def propose(self, step: StepOutput, running: list[Sequence]) -> None:
+        """Drafts for the next step of every running sequence that will decode."""
+        for seq in running:
+            seq.clear_drafts()
+        if self.config.disable_by_batch_size and len(running) > self.config.disable_by_batch_size:
+            self.proposer.pause(step)
+            return
+        seqs, ks = [], []
+        for seq in running:
+            if seq.num_computed_tokens == len(seq) - 1 and self.speculable(seq):
+                k = self.lookahead(seq)
+                if k:
+                    seqs.append(seq)
+                    ks.append(k)
+        self.proposer.propose(seqs, ks, step)
+
+    def release(self, seq: Sequence) -> None:
+        self.acceptance.pop(seq.seq_id, None)
+        self.proposer.release(seq)
+
+
+def make_speculator(
+    config: SpeculativeConfig, runner: ModelRunner, blocks: BlockManager, max_model_len: int
+) -> Speculator:
+    """The configured drafter, wired to the target's runner and blocks."""
+    vocab = runner.model.config.vocab_size
+    if config.method == "ngram":
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    elif config.method == "mtp":
+        proposer = MTPProposer(runner, blocks, vocab)
+    else:
+        proposer = DraftModelProposer(config.model, blocks.num_blocks, blocks.block_size, vocab)
+    return Speculator(config, proposer, max_model_len)
