@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from router.cli import add_eval_router_args, run_eval_router
 from router.learned import RouterFileError
 from router.outcomes import OutcomeError
@@ -21,6 +23,7 @@ from serving.engine import EngineConfig, EngineInputError, LLMEngine
 from serving.gateway_config import GatewayConfigError
 from serving.sampling_params import SamplingParams
 from serving.tokenizer import TokenizerError
+from speculative.config import SpeculativeConfig
 from training.cli import add_train
 from training.config import ConfigError
 
@@ -38,11 +41,25 @@ USER_ERRORS = (
 )
 
 
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.model_validate_json(text)
+    except ValidationError as e:
+        raise argparse.ArgumentTypeError(_first_error(e)) from None
+
+
+def _first_error(e: ValidationError) -> str:
+    error = e.errors()[0]
+    where = ".".join(map(str, error["loc"]))
+    return f"{where}: {error['msg']}" if where else error["msg"]
+
+
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        speculative=args.speculative_config,
     )
     if args.kv_cache_memory is not None:
         config.kv_cache_bytes = args.kv_cache_memory << 20
@@ -63,6 +80,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help=f"KV cache budget in MiB (default {defaults.kv_cache_bytes >> 20})",
     )
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    parser.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        metavar="JSON",
+        help='speculative decoding, as vLLM: \'{"method": "mtp"|"ngram"|"draft", '
+        '"model": DRAFT_DIR, "num_speculative_tokens": 4}\'',
+    )
 
 
 def run_engine(args: argparse.Namespace) -> None:

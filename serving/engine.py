@@ -14,7 +14,7 @@ from serving.model import CausalLM
 from serving.model_runner import ModelRunner, SampledTokens, kv_bytes_per_block
 from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler
-from serving.sequence import Sequence, TokenLogprob
+from serving.sequence import Sequence, SpecCounts, TokenLogprob
 from serving.tokenizer import Tokenizer
 from serving.tool_constraint import ToolCallConstraint
 from speculative.config import SpeculativeConfig
@@ -66,10 +66,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    # Speculative decoding, totals over the request's sequences so far.
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    spec: SpecCounts | None = None  # speculative decoding so far, over its sequences
 
 
 @dataclass
@@ -290,10 +287,11 @@ class LLMEngine:
             arrival_time=first.arrival_time,
             first_scheduled_time=first.scheduled_time,
             first_token_time=first.first_token_time,
-            num_drafts=sum(s.num_drafts for s in req.seqs),
-            num_draft_tokens=sum(s.num_draft_tokens for s in req.seqs),
-            num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs),
         )
+        if self.speculator:
+            out.spec = SpecCounts()
+            for seq in req.seqs:
+                out.spec.merge(seq.spec)
         if not req.sent_first:
             req.sent_first = True
             if first.params.prompt_logprobs is not None:

@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from speculative.config import SpeculativeConfig
+
 Port = Annotated[int, Field(ge=1, le=65535)]
 Seconds = Annotated[float, Field(gt=0)]
 
@@ -41,6 +43,7 @@ class EmbeddedTier(_Strict):
     max_model_len: Annotated[int, Field(ge=1)] | None = None
     threads: Annotated[int, Field(ge=1)] = 1  # torch threads of the child (OMP_NUM_THREADS)
     api_key: str | None = None  # if set, the child requires it and the gateway sends it
+    speculative: SpeculativeConfig | None = None  # `tierserve engine --speculative-config`
 
     @property
     def model_name(self) -> str:

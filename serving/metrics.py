@@ -9,10 +9,11 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from serving.engine import LLMEngine, RequestOutput
+from speculative.speculator import Speculator
 
 PREFIX = "tierserve_"
 # vLLM's buckets, so dashboards written for vLLM read ours the same way.
@@ -47,6 +48,36 @@ class _EngineGauges(Collector):
         )
         usage.add_metric([self.model_name], self.engine.blocks.usage)
         yield usage
+
+
+class _SpecDecodeCounters(Collector):
+    """Speculative decoding totals (vLLM's spec_decode_* counters), read at scrape time."""
+
+    def __init__(self, speculator: Speculator, model_name: str) -> None:
+        self.speculator = speculator
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.speculator.stats
+        totals = (
+            ("num_drafts", "Verification steps with drafts.", stats.num_drafts),
+            ("num_draft_tokens", "Draft tokens proposed.", stats.num_draft_tokens),
+            ("num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens),
+        )
+        for name, doc, value in totals:
+            counter = CounterMetricFamily(
+                PREFIX + "spec_decode_" + name, doc, labels=["model_name"]
+            )
+            counter.add_metric([self.model_name], value)
+            yield counter
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft.",
+            labels=["model_name", "position"],
+        )
+        for position, value in enumerate(stats.accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], value)
+        yield per_position
 
 
 class ServerMetrics:
@@ -85,6 +116,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineGauges(engine, model_name))
+        if engine.speculator:
+            self.registry.register(_SpecDecodeCounters(engine.speculator, model_name))
 
     def finished(self, reason: str) -> None:
         self._request_success.labels(self.model_name, reason).inc()

@@ -37,6 +37,7 @@ from serving.protocol import (
     ChatResponseMessage,
     DeltaMessage,
     DeltaToolCall,
+    ResponseMetrics,
     ToolCall,
     TopLogprob,
     UsageInfo,
@@ -135,7 +136,11 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+    def chunk(
+        choices: list[ChatCompletionStreamChoice],
+        usage: UsageInfo | None = None,
+        metrics: ResponseMetrics | None = None,
+    ) -> str:
         return sse(
             _chunk_json(
                 ChatCompletionChunk(
@@ -144,6 +149,7 @@ async def _stream(
                     created=created,
                     choices=choices,
                     usage=usage,
+                    metrics=metrics,
                 )
             )
         )
@@ -155,9 +161,11 @@ async def _stream(
         ]
     )
     completion_tokens = 0
+    spec = None
     try:
         async with aclosing(serving.generate(request_id, prompt_ids, params)) as outputs:
             async for out in outputs:
+                spec = out.spec
                 choices = []
                 for o in out.outputs:
                     completion_tokens += len(o.token_ids)
@@ -184,7 +192,8 @@ async def _stream(
         yield SSE_DONE
         return
     if include_usage:
-        yield chunk([], usage_info(len(prompt_ids), completion_tokens))
+        usage = usage_info(len(prompt_ids), completion_tokens)
+        yield chunk([], usage, serving.response_metrics([spec]))
     yield SSE_DONE
 
 
@@ -238,6 +247,7 @@ def chat_router(serving: OpenAIServing) -> APIRouter:
             model=serving.model_name,
             choices=choices,
             usage=usage_info(len(prompt_ids), completion_tokens),
+            metrics=serving.response_metrics([final.spec]),
         )
         return JSONResponse(response.model_dump())
 

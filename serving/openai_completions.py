@@ -30,10 +30,11 @@ from serving.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    ResponseMetrics,
     UsageInfo,
 )
 from serving.sampling_params import SamplingParams
-from serving.sequence import TokenLogprob
+from serving.sequence import SpecCounts, TokenLogprob
 
 
 class LogprobsBuilder:
@@ -104,10 +105,20 @@ async def _stream(
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
     echoed: set[int] = set()
     completion_tokens = 0
+    spec: dict[int, SpecCounts | None] = {}
 
-    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+    def chunk(
+        choices: list[CompletionChoice],
+        usage: UsageInfo | None = None,
+        metrics: ResponseMetrics | None = None,
+    ) -> str:
         data = CompletionChunk(
-            id=request_id, model=serving.model_name, created=created, choices=choices, usage=usage
+            id=request_id,
+            model=serving.model_name,
+            created=created,
+            choices=choices,
+            usage=usage,
+            metrics=metrics,
         ).model_dump()
         if data["usage"] is None:
             del data["usage"]
@@ -119,6 +130,7 @@ async def _stream(
     try:
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
+                spec[i] = out.spec
                 prompt = prompts[i]
                 if out.prompt_logprobs is not None:
                     prompt_logprobs[i] = out.prompt_logprobs
@@ -149,7 +161,8 @@ async def _stream(
         yield SSE_DONE
         return
     if include_usage:
-        yield chunk([], usage_info(sum(len(p.ids) for p in prompts), completion_tokens))
+        usage = usage_info(sum(len(p.ids) for p in prompts), completion_tokens)
+        yield chunk([], usage, serving.response_metrics(list(spec.values())))
     yield SSE_DONE
 
 
@@ -202,6 +215,7 @@ def completions_router(serving: OpenAIServing) -> APIRouter:
             model=serving.model_name,
             choices=choices,
             usage=usage_info(sum(len(p.ids) for p in prompts), completion_tokens),
+            metrics=serving.response_metrics([f.spec for f in finals]),
         )
         return JSONResponse(response.model_dump())
 

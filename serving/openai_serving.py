@@ -17,8 +17,15 @@ from starlette.types import Receive, Scope, Send
 from serving.async_engine import AsyncEngine, EngineDeadError
 from serving.engine import EngineInputError, RequestOutput, SequenceOutput
 from serving.metrics import ServerMetrics
-from serving.protocol import ErrorInfo, ErrorResponse, UsageInfo
+from serving.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    ResponseMetrics,
+    SpecDecodeMetrics,
+    UsageInfo,
+)
 from serving.sampling_params import SamplingParams
+from serving.sequence import SpecCounts
 from serving.tokenizer import ChatTemplateError, Tokenizer
 
 T = TypeVar("T")
@@ -128,6 +135,27 @@ def clamp_logprob(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
+def spec_metrics(counts: list[SpecCounts | None], num_spec_tokens: int) -> ResponseMetrics | None:
+    """A response's speculative decoding (over its engine requests); None without any."""
+    total = SpecCounts()
+    for c in counts:
+        if c is not None:
+            total.merge(c)
+    if not total.num_drafts:
+        return None
+    return ResponseMetrics(
+        speculative_decoding=SpecDecodeMetrics(
+            num_spec_tokens=num_spec_tokens,
+            num_spec_steps=total.num_drafts,
+            num_draft_tokens=total.num_draft_tokens,
+            num_accepted_draft_tokens=total.num_accepted_tokens,
+            draft_acceptance_rate=total.num_accepted_tokens / total.num_draft_tokens,
+            mean_acceptance_length=1 + total.num_accepted_tokens / total.num_drafts,
+            acceptance_histogram=total.acceptance_histogram,
+        )
+    )
+
+
 def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=prompt_tokens,
@@ -146,6 +174,10 @@ class OpenAIServing:
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
+
+    def response_metrics(self, counts: list[SpecCounts | None]) -> ResponseMetrics | None:
+        spec = self.engine.engine.config.speculative
+        return spec_metrics(counts, spec.num_speculative_tokens) if spec else None
 
     def check_model(self, model: str | None) -> None:
         """A request may omit the model (as vLLM allows) but not name another one."""
@@ -226,6 +258,7 @@ class OpenAIServing:
                 final.prompt_logprobs = final.prompt_logprobs or out.prompt_logprobs
                 final.num_cached_tokens = out.num_cached_tokens
                 final.finished = out.finished
+                final.spec = out.spec
                 for delta in out.outputs:
                     final.outputs[delta.index].extend(delta)
         return final

@@ -8,7 +8,13 @@ versions still work. Unsupported features that would change the answer (`logit_b
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from serving.sampling_params import SamplingParams
 
@@ -280,11 +286,36 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+class SpecDecodeMetrics(BaseModel):
+    """One request's speculative decoding, as vLLM reports it per request."""
+
+    num_spec_tokens: int  # the configured most drafts per step
+    num_spec_steps: int  # steps that verified drafts
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    draft_acceptance_rate: float  # accepted / drafted
+    mean_acceptance_length: float  # tokens per verification step, the bonus token included
+    acceptance_histogram: list[int]  # steps by number of drafts accepted
+
+
+class ResponseMetrics(BaseModel):
+    speculative_decoding: SpecDecodeMetrics
+
+
 class _Response(BaseModel):
     id: str
     object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    # vLLM's per-request metrics beside `usage`; only from a tier that speculates.
+    metrics: ResponseMetrics | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_missing_metrics(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("metrics", 0) is None:
+            del data["metrics"]
+        return data
 
 
 class _Choice(BaseModel):

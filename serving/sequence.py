@@ -26,6 +26,39 @@ class TokenLogprob:
     top: list[tuple[int, float]] | None  # (token id, logprob), best first
 
 
+@dataclass
+class SpecCounts:
+    """Speculative decoding totals of a sequence, a request or the engine."""
+
+    num_drafts: int = 0  # verification steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_histogram: list[int] = field(default_factory=list)  # steps by drafts kept
+
+    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        hist = self.acceptance_histogram
+        hist.extend([0] * (num_accepted + 1 - len(hist)))
+        hist[num_accepted] += 1
+
+    def merge(self, other: "SpecCounts") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        hist = self.acceptance_histogram
+        hist.extend([0] * (len(other.acceptance_histogram) - len(hist)))
+        for i, n in enumerate(other.acceptance_histogram):
+            hist[i] += n
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """How often the draft at each position was kept (position i: steps keeping > i)."""
+        hist = self.acceptance_histogram
+        return [sum(hist[i + 1 :]) for i in range(len(hist) - 1)]
+
+
 @dataclass(eq=False)
 class Sequence:
     """A request with n > 1 becomes n sequences; index says which of them this is.
@@ -62,9 +95,7 @@ class Sequence:
     # proposed deterministically); then the request's totals, as vLLM reports them.
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    spec: "SpecCounts" = field(default_factory=lambda: SpecCounts())
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -43,6 +43,7 @@ def engine_command(config: EmbeddedTier, port: int) -> list[str]:
         "--kv-cache-memory": config.kv_cache_memory_mib,
         "--max-model-len": config.max_model_len,
         "--api-key": config.api_key,
+        "--speculative-config": config.speculative and config.speculative.model_dump_json(),
     }
     for flag, value in options.items():
         if value is not None:

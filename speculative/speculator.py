@@ -14,14 +14,14 @@ not speculate at all: a full batch already keeps the hardware busy, and verifyin
 would only add work.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from serving.block_manager import BlockManager
 from serving.model_runner import ModelRunner, StepOutput
-from serving.sequence import Sequence
+from serving.sequence import Sequence, SpecCounts
 from speculative.config import SpeculativeConfig
 from speculative.draft_model import DraftModelProposer
 from speculative.mtp import MTPProposer
@@ -45,16 +45,6 @@ class Proposer(Protocol):
     def pause(self, step: StepOutput) -> None: ...
 
     def release(self, seq: Sequence) -> None: ...
-
-
-@dataclass
-class SpecDecodeStats:
-    """Engine totals since start, exported as Prometheus counters."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -85,7 +75,7 @@ class Speculator:
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.cost = DRAFT_COST[config.method]
-        self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.stats = SpecCounts()  # engine totals, exported as Prometheus counters
         self.acceptance: dict[int, _Acceptance] = {}
 
     @staticmethod
@@ -111,15 +101,8 @@ class Speculator:
         return max(0, min(k, left))
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        seq.num_drafts += 1
-        seq.num_draft_tokens += num_drafts
-        seq.num_accepted_tokens += num_accepted
-        stats = self.stats
-        stats.num_drafts += 1
-        stats.num_draft_tokens += num_drafts
-        stats.num_accepted_tokens += num_accepted
-        for i in range(num_accepted):
-            stats.accepted_per_position[i] += 1
+        seq.spec.add(num_drafts, num_accepted)
+        self.stats.add(num_drafts, num_accepted)
         state = self.acceptance.setdefault(seq.seq_id, _Acceptance())
         state.accepted = _DECAY * state.accepted + num_accepted
         state.rejected = _DECAY * state.rejected + (num_accepted < num_drafts)

@@ -143,8 +143,8 @@ def test_requests_that_cannot_speculate_decode_alone(chat_prompts):
     while engine.has_unfinished():
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.outputs)
-    assert seqs[0].num_drafts > 0
-    assert seqs[1].num_drafts == seqs[2].num_drafts == 0
+    assert seqs[0].spec.num_drafts > 0
+    assert seqs[1].spec.num_drafts == seqs[2].spec.num_drafts == 0
     plain = _engine(None).generate(chat_prompts[:3], params)
     assert [o[0].token_ids for o in plain] == [_flatten(outputs[f"r{i}"])[0] for i in range(3)]
 
