@@ -115,3 +115,21 @@ def test_engine_without_speculation_has_no_metrics_field():
 
     response = CompletionResponse(id="x", model="m", choices=[], usage=UsageInfo())
     assert "metrics" not in response.model_dump()
+
+
+def test_gateway_tier_config_passes_speculation_to_the_engine():
+    from serving.gateway_config import EmbeddedTier
+    from serving.supervisor import engine_command
+
+    tier = EmbeddedTier.model_validate(
+        {
+            "model": str(TARGET),
+            "speculative": {"method": "deepseek_mtp", "num_speculative_tokens": 2},
+        }
+    )
+    command = engine_command(tier, 8123)
+    flag = command.index("--speculative-config")
+    parsed = SpeculativeConfig.model_validate_json(command[flag + 1])
+    assert parsed == SpeculativeConfig(method="mtp", num_speculative_tokens=2)
+    with pytest.raises(ValueError):
+        EmbeddedTier.model_validate({"model": "m", "speculative": {"method": "draft"}})
