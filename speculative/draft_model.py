@@ -15,7 +15,7 @@ import torch
 
 from serving.block_manager import BlockManager
 from serving.checkpoint import load_checkpoint
-from serving.model_runner import ModelRunner, StepOutput, TokenSpan, kv_bytes_per_block
+from serving.model_runner import ModelRunner, StepOutput, TokenSpan
 from serving.sampling_params import SamplingParams
 from serving.sequence import Sequence
 from speculative.verify import draw, processed_probs
@@ -54,10 +54,6 @@ class DraftModelProposer:
         if model.config.vocab_size > vocab or model.config.num_experts:
             raise ValueError(f"{path}: a draft model must be dense and share the tokenizer")
         # As many blocks as the target: a shadow never holds more tokens than its sequence.
-        dtype = model.embed_tokens.weight.dtype
-        self.kv_cache_bytes = num_target_blocks * kv_bytes_per_block(
-            model.config, block_size, dtype
-        )
         self.runner = ModelRunner(model, num_target_blocks, block_size, [])
         self.blocks = BlockManager(num_target_blocks, block_size, enable_prefix_caching=False)
         self.vocab = vocab
