@@ -6,14 +6,54 @@ block `table[i // block_size]` at offset `i % block_size`. New keys and values a
 at `slot_mapping` (flat slot = block * block_size + offset) before attention reads them.
 
 Tokens of a step are laid out decodes first (one token per sequence, batched into one
-attention call), then prefill chunks (one call each, with a causal mask over the cached
-prefix and the chunk).
+attention call), then chunks. Short chunks (at most `SHORT_CHUNK` tokens: a last token and
+its speculative drafts, the tail of a prompt) are batched into one more call, padded to
+the longest; longer prefill chunks get one call each. Chunks see the cached prefix and
+themselves, causally.
 """
 
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+SHORT_CHUNK = 16
+
+
+@dataclass
+class ShortChunks:
+    """Chunks of a few tokens attended as one padded batch of B chunks of up to L tokens."""
+
+    token_index: torch.Tensor  # [B, L] long: each query row's token in the step, padded with 0
+    valid: torch.Tensor  # [B, L] bool: the rows that are real tokens
+    block_tables: torch.Tensor  # [B, max_blocks] long, padded
+    mask: torch.Tensor  # [B, 1, L, max_blocks * block_size] additive, causal per chunk
+    grouped: dict[int, torch.Tensor] = field(default_factory=dict)  # the mask per GQA group
+
+    @classmethod
+    def build(
+        cls, starts: list[int], lengths: list[int], offsets: list[int], tables: list[list[int]],
+        block_size: int,
+    ) -> "ShortChunks":  # fmt: skip
+        width = max(map(len, tables))
+        rows = max(lengths)
+        pos = torch.arange(rows)
+        lens = torch.tensor(lengths)
+        valid = pos[None, :] < lens[:, None]
+        token_index = (torch.tensor(offsets)[:, None] + pos[None, :]) * valid
+        # Query i of a chunk starting at s sees keys 0..s+i; padded rows see a prefix, harmlessly.
+        last_key = torch.tensor(starts)[:, None] + pos[None, :]
+        keys = torch.arange(width * block_size)
+        mask = torch.zeros(len(starts), rows, len(keys))
+        mask.masked_fill_(keys[None, None, :] > last_key[:, :, None], float("-inf"))
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        return cls(token_index, valid, padded, mask[:, None])
+
+    def mask_for(self, group: int) -> torch.Tensor:
+        """[B, 1, L * group, keys]: each query row repeated for the heads sharing a kv head."""
+        if group not in self.grouped:
+            self.grouped[group] = self.mask.repeat_interleave(group, dim=2)
+        return self.grouped[group]
 
 
 @dataclass
@@ -31,6 +71,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] long, padded
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] long
     prefills: list[PrefillChunk] = field(default_factory=list)
+    short: ShortChunks | None = None
     # Built once per step for decode attention: additive mask hiding padded cache slots.
     decode_mask: torch.Tensor | None = None
 
@@ -76,7 +117,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim], reading keys and values from the cache."""
     nd = meta.num_decodes
-    out = torch.empty_like(q) if meta.prefills else None
+    out = torch.empty_like(q) if meta.prefills or meta.short else None
     if nd:
         k = _gather(k_cache, meta.decode_block_tables)  # [B, kv, ctx, d]
         v = _gather(v_cache, meta.decode_block_tables)
@@ -89,6 +130,8 @@ def paged_attention(
         if out is None:  # a decode-only step, the common case
             return o
         out[:nd] = o
+    if meta.short is not None:
+        _short_attention(q, k_cache, v_cache, meta.short, scale, out)
     for chunk in meta.prefills:
         ctx = chunk.context_len
         k = _gather(k_cache, chunk.block_table[None])[0, :, :ctx]  # [kv, ctx, d]
@@ -99,3 +142,26 @@ def paged_attention(
         o = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[chunk.start : chunk.start + chunk.length] = o.transpose(0, 1)
     return out
+
+
+def _short_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    short: ShortChunks,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One SDPA call for all short chunks; as for decodes, each kv head's query group goes
+    where a query length goes (rows ordered by token, then head), so no GQA expansion."""
+    k = _gather(k_cache, short.block_tables)  # [B, kv, ctx, d]
+    v = _gather(v_cache, short.block_tables)
+    b, rows = short.token_index.shape
+    kv_heads, d = k.shape[1], q.shape[-1]
+    group = q.shape[1] // kv_heads
+    qs = q.index_select(0, short.token_index.flatten()).view(b, rows, kv_heads, group, d)
+    qs = qs.transpose(1, 2).reshape(b, kv_heads, rows * group, d)
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=short.mask_for(group), scale=scale)
+    o = o.view(b, kv_heads, rows, group, d).transpose(1, 2).reshape(b * rows, -1, d)
+    valid = short.valid.flatten()
+    out[short.token_index.flatten()[valid]] = o[valid]

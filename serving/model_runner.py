@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.attention import AttentionMetadata, PrefillChunk
+from serving.attention import SHORT_CHUNK, AttentionMetadata, PrefillChunk, ShortChunks
 from serving.config import ModelConfig
 from serving.model import CausalLM, pack_for_inference
 from serving.sampler import Sampler, SamplingRow
@@ -91,14 +91,26 @@ class ModelRunner:
             )
             meta.decode_context_lens = torch.tensor(positions) + 1
         slot_parts = [meta.slot_mapping]
+        short: list[tuple[TokenSpan, int]] = []
         for s in spans[nd:]:
             n = len(s.token_ids)
             table = torch.tensor(s.block_table)
-            meta.prefills.append(PrefillChunk(len(ids), n, s.start + n, table))
+            if n <= SHORT_CHUNK:
+                short.append((s, len(ids)))
+            else:
+                meta.prefills.append(PrefillChunk(len(ids), n, s.start + n, table))
             ids.extend(s.token_ids)
             positions.extend(range(s.start, s.start + n))
             pos = torch.arange(s.start, s.start + n)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
+        if short:
+            meta.short = ShortChunks.build(
+                [s.start for s, _ in short],
+                [len(s.token_ids) for s, _ in short],
+                [offset for _, offset in short],
+                [s.block_table for s, _ in short],
+                bs,
+            )
         meta.slot_mapping = torch.cat(slot_parts)
         meta.prepare(bs)
         return torch.tensor(ids), torch.tensor(positions), meta
