@@ -67,25 +67,27 @@ def _ms(fn, calls: int = 200) -> float:
 
 @torch.inference_mode()
 def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
-    """What `speculative.speculator`'s cost model needs, in plain decode steps (1 token),
-    at a context of 300 tokens."""
+    """`speculative.speculator.COSTS` in plain decode steps, at a context of 300 tokens:
+    f (verifying k + 1 tokens; for MTP also its layer over a step's ~3 new tokens) and c
+    (one more draft)."""
 
     def span(n: int) -> list[TokenSpan]:
         return [TokenSpan(list(range(32)), 300, list(range(10, 10 + n)))]
 
+    def mtp(n: int) -> float:
+        model = target.model
+        ids, positions, meta = target.runner.prepare(span(n))
+        hidden = model.embed_tokens(ids)
+        rope = model.rotary(positions, hidden.dtype)
+        return _ms(lambda: model.mtp[0](hidden, model.embed_tokens(ids), rope, meta, None))
+
     decode = _ms(lambda: target.runner.forward(span(1)))
-    verify = _ms(lambda: target.runner.forward(span(k + 1)))
-    draft_ms = _ms(lambda: draft.runner.forward(span(1)))
-    model = target.model
-    ids, positions, meta = target.runner.prepare(span(1))
-    hidden = model.embed_tokens(ids)
-    rope = model.rotary(positions, hidden.dtype)
-    mtp_ms = _ms(lambda: model.mtp[0](hidden, model.embed_tokens(ids), rope, meta, None))
-    print(
-        f"target forward: 1 token {decode:.2f} ms, {k + 1} tokens {verify:.2f} ms "
-        f"(VERIFY_COST ~ {verify / decode - 1:.2f}); one draft: MTP layer {mtp_ms:.2f} ms "
-        f"(c ~ {mtp_ms / decode:.2f}), draft model {draft_ms:.2f} ms (c ~ {draft_ms / decode:.2f})"
-    )
+    verify = _ms(lambda: target.runner.forward(span(k + 1))) / decode - 1
+    draft_c = _ms(lambda: draft.runner.forward(span(1))) / decode
+    print(f"plain decode step {decode:.2f} ms; in decode steps:")
+    print(f"  ngram: fixed {verify:.2f}, per draft 0")
+    print(f"  mtp:   fixed {verify + mtp(3) / decode:.2f}, per draft {mtp(1) / decode:.2f}")
+    print(f"  draft: fixed {verify:.2f}, per draft {draft_c:.2f}")
 
 
 def main() -> None:

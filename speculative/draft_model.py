@@ -71,6 +71,9 @@ class DraftModelProposer:
         end = min(shadow.seq.num_computed_tokens, len(seq))
         while match < end and tokens[match] == seq.token_ids[match]:
             match += 1
+        # At least the last token is fed again: its logits give the first draft. (A budget
+        # cut can leave the verified sequence no longer than what the shadow computed.)
+        match = min(match, len(seq) - 1)
         shadow.seq.num_computed_tokens = match
         shadow.seq.token_ids = list(seq.token_ids)
         shadow.synced = len(seq)

@@ -11,8 +11,9 @@ first draft; further drafts chain the same layer on its own output and the previ
 Chained positions lie past the computed ones, so the target's verification step and the
 next catch-up overwrite them.
 
-Steps without speculation (a busy engine) skip the catch-up to save its cost; the
-sequences of such a step lose their MTP context and are not drafted again. A prefix-cache
+Steps without speculation (a busy engine) skip the catch-up to save its cost, and so does a
+sequence once it decodes without drafts (its lookahead fell to 0, or it cannot speculate):
+such sequences lose their MTP context and are not drafted again. A prefix-cache
 hit reuses MTP entries written by the sequence that cached the blocks; at the last
 position of the last shared block that entry saw that sequence's next token, which can
 only lower acceptance, never change outputs.
@@ -56,10 +57,14 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int], step: StepOutput) -> None:
         items, owners = [], []
+        drafting = {s.seq_id for s in seqs}
         offset = 0
         for (seq, n), start in zip(step.batch, step.starts, strict=True):
             computed = seq.num_computed_tokens - start  # fed and kept (drafts may be rejected)
-            if not seq.is_finished and seq.block_table and seq.seq_id not in self.gapped:
+            live = not seq.is_finished and seq.block_table and seq.seq_id not in self.gapped
+            if live and seq.num_computed_tokens == len(seq) - 1 and seq.seq_id not in drafting:
+                self.gapped.add(seq.seq_id)  # decoding without drafts: no catch-up from now on
+            elif live:
                 span = TokenSpan(
                     seq.block_table, start, seq.token_ids[start + 1 : start + computed + 1]
                 )

@@ -2,11 +2,11 @@
 
 Speculation pays when drafts are accepted and the engine has compute to spare. Per
 request, the lookahead k maximises expected tokens per unit of step cost: with per-token
-acceptance a, a step with k drafts yields 1 + a + ... + a^k tokens and costs
-1 + VERIFY_COST + c k plain decode steps: verifying any drafts at all costs VERIFY_COST
-(a sparse model's k + 1 tokens route to more experts than one token does, and take the
-chunked attention path), each draft c more (drafting it, and verifying it). Both are
-measured on this CPU with the demo models by `loadtests/bench_speculative.py --costs`.
+acceptance a, a step with k drafts yields 1 + a + ... + a^k tokens and costs 1 + f + c k
+plain decode steps. f is what speculating costs at all: verifying (a sparse model's k + 1
+tokens route to more experts than one token does) and, for MTP, running the MTP layer over
+the step's tokens; c is what each draft adds. Both are measured on this CPU with the demo
+models by `loadtests/bench_speculative.py --costs`.
 a is estimated per request from its accepted and rejected drafts, decayed so it follows
 the text. A request whose best k is 0 stops speculating and probes with one draft every
 `PROBE_EVERY` steps. Steps with more running requests than `disable_by_batch_size` do
@@ -27,12 +27,23 @@ from speculative.draft_model import DraftModelProposer
 from speculative.mtp import MTPProposer
 from speculative.ngram import NgramProposer
 
-# In plain decode steps of the target: verifying drafts at all, and each draft (c above).
-VERIFY_COST = 0.45
-DRAFT_COST = {"ngram": 0.03, "mtp": 0.25, "draft": 0.25}
+
+@dataclass(frozen=True)
+class StepCost:
+    """A speculative step's cost beyond a plain decode step, in plain decode steps."""
+
+    fixed: float  # f above
+    per_draft: float  # c above
+
+
+COSTS = {
+    "ngram": StepCost(fixed=0.7, per_draft=0.0),
+    "mtp": StepCost(fixed=0.9, per_draft=0.2),
+    "draft": StepCost(fixed=0.7, per_draft=0.26),
+}
 PROBE_EVERY = 8
 _DECAY = 0.8
-_PRIOR = (1.5, 1.0)  # (accepted, rejected) before any evidence: a = 0.6
+_PRIOR = (3.0, 1.0)  # (accepted, rejected) before any evidence: a = 0.75, worth a try
 
 
 class Proposer(Protocol):
@@ -58,12 +69,12 @@ class _Acceptance:
         return self.accepted / (self.accepted + self.rejected)
 
 
-def best_lookahead(rate: float, cost: float, max_k: int) -> int:
-    """argmax over k of (1 + a + ... + a^k) / (1 + VERIFY_COST + c k), or 0."""
+def best_lookahead(rate: float, cost: StepCost, max_k: int) -> int:
+    """argmax over k of (1 + a + ... + a^k) / (1 + f + c k), or 0."""
     best, best_value, expected = 0, 1.0, 1.0
     for k in range(1, max_k + 1):
         expected += rate**k
-        value = expected / (1 + VERIFY_COST + cost * k)
+        value = expected / (1 + cost.fixed + cost.per_draft * k)
         if value > best_value:
             best, best_value = k, value
     return best
@@ -74,7 +85,7 @@ class Speculator:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
-        self.cost = DRAFT_COST[config.method]
+        self.cost = COSTS[config.method]
         self.stats = SpecCounts()  # engine totals, exported as Prometheus counters
         self.acceptance: dict[int, _Acceptance] = {}
 

@@ -10,7 +10,7 @@ from serving.engine import EngineConfig, LLMEngine
 from serving.model_runner import kv_bytes_per_block
 from serving.sampling_params import SamplingParams
 from speculative.config import SpeculativeConfig
-from speculative.speculator import best_lookahead
+from speculative.speculator import StepCost, best_lookahead
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 TARGET = MODELS / "demo-highspeed"  # a trained target with an MTP layer
@@ -167,9 +167,10 @@ def test_large_batches_do_not_speculate(chat_prompts):
 
 
 def test_lookahead_follows_acceptance():
-    assert best_lookahead(0.95, 0.03, 8) == 8  # cheap, accurate drafts: draft far
-    assert 1 <= best_lookahead(0.75, 0.25, 8) < 8
-    assert best_lookahead(0.1, 0.25, 8) == 0  # drafts that miss: stop speculating
+    free, dear = StepCost(fixed=0.5, per_draft=0.0), StepCost(fixed=0.5, per_draft=0.25)
+    assert best_lookahead(0.95, free, 8) == 8  # cheap, accurate drafts: draft far
+    assert 1 <= best_lookahead(0.9, dear, 8) < 8  # costly drafts: stop earlier
+    assert best_lookahead(0.3, dear, 8) == 0  # drafts that miss: do not speculate
 
 
 def test_config_validation_and_vllm_names():
