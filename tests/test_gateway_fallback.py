@@ -263,7 +263,7 @@ async def test_overrides(client, tiers, fields, headers, tier, reason):
 
 
 async def test_spill_to_full_when_highspeed_is_saturated(client, tiers):
-    gateway_app(client).state.gateway.upstreams["highspeed"].in_flight = 64
+    gateway_app(client).state.gateway.admission.queues["highspeed"].running = 64
     response = await client.post("/v1/chat/completions", json=CHAT)
     assert response.headers["x-tierserve-tier"] == "full"
     assert response.headers["x-tierserve-reason"] == "spill"
