@@ -130,7 +130,10 @@ def upstream_payload(body: dict[str, Any], model: str) -> bytes:
     body = dict(body, model=model)
     if body.get("stream"):
         body["stream_options"] = dict(body.get("stream_options") or {}, include_usage=True)
-    return orjson.dumps(body)
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError as e:  # e.g. an integer beyond 64 bits
+        raise APIError(400, f"The request body cannot be forwarded: {e}") from e
 
 
 def client_wants_usage(body: dict[str, Any]) -> bool:
