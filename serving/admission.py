@@ -27,14 +27,13 @@ PREFIX = "tierserve_gateway_"
 class Overloaded(APIError):
     """A 429 for a request the gateway has no room for; `reason` is a metric label."""
 
-    def __init__(self, reason: str, message: str, retry_after_s: int) -> None:
-        super().__init__(
-            429,
-            message,
-            type="overloaded",
-            code=reason,
-            headers={"Retry-After": str(retry_after_s)},
-        )
+    def __init__(
+        self, reason: str, message: str, retry_after_s: int, tier: Tier | None = None
+    ) -> None:
+        headers = {"Retry-After": str(retry_after_s)}
+        if tier is not None:
+            headers["X-Tierserve-Tier"] = tier  # the tier that had no room
+        super().__init__(429, message, type="overloaded", code=reason, headers=headers)
         self.reason = reason
 
 
@@ -109,8 +108,8 @@ class Admission(Collector):
     def loads(self) -> dict[Tier, int]:
         return {tier: q.load for tier, q in self.queues.items()}
 
-    def _refuse(self, reason: str, message: str) -> Overloaded:
-        return Overloaded(reason, message, self.config.retry_after_s)
+    def _refuse(self, reason: str, message: str, tier: Tier | None = None) -> Overloaded:
+        return Overloaded(reason, message, self.config.retry_after_s, tier)
 
     async def admit(self, decision: Decision, stream: bool) -> tuple[Decision, Ticket]:
         """Admit a request to its tier (or, when that one is full, a routed request to the
@@ -135,6 +134,7 @@ class Admission(Collector):
             raise self._refuse(
                 "queue_full",
                 f"The {decision.tier} tier is at capacity and its queue is full; retry later.",
+                decision.tier,
             )
         try:
             await queue.acquire(self.config.queue_timeout_s)
@@ -143,6 +143,7 @@ class Admission(Collector):
                 "queue_timeout",
                 f"The request waited {self.config.queue_timeout_s:g} s for the "
                 f"{decision.tier} tier without being served; retry later.",
+                decision.tier,
             ) from None
         if stream:
             self.streams += 1

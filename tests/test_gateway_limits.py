@@ -63,6 +63,7 @@ async def test_full_queue_answers_429_at_once_then_serves_the_queued(tiers):
         refused = await c.post("/v1/chat/completions", json=body)
         assert time.monotonic() - start < 1.0  # refused at once, not after a wait
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.headers["x-tierserve-tier"] == "full"
         assert refused.json()["error"] | {"message": ""} == {
             "message": "", "type": "overloaded", "param": None, "code": "queue_full"
         }  # fmt: skip
