@@ -9,6 +9,7 @@ gateway itself asked for is dropped), so a streamed answer is the tier's own.
 
 import asyncio
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -291,7 +292,8 @@ class Gateway:
         tiers = {tier: u.describe() for tier, u in self.upstreams.items()}
         healthy = [u.available for u in self.upstreams.values()]
         status = "ok" if all(healthy) else "degraded" if any(healthy) else "unavailable"
-        body = {"status": status, "router": self.describe_router(), "tiers": tiers}
+        body = {"status": status, "pid": os.getpid(), "router": self.describe_router()}
+        body["tiers"] = tiers
         return JSONResponse(body, status_code=200 if any(healthy) else 503)
 
     async def close(self) -> None:

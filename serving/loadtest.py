@@ -5,8 +5,8 @@ gevent, so it stays out of this one) on `loadtests/locustfile.py` and writes its
 command reads them back into a report (a Markdown table and plots of throughput and TTFT
 percentiles per tier over time) and exits 1 when an SLO is missed. With no --url it starts
 `tierserve serve` and stops it afterwards. `--ramp` runs stages at rising user counts and
-reports the saturation point; `--max-rss-growth` and `--check-kv-empty` watch the tier
-processes through the run (the soak, `loadtests/soak.sh`).
+reports the saturation point; `--max-rss-growth` and `--check-kv-empty` watch the gateway
+and tier processes through the run (the soak, `loadtests/soak.sh`).
 """
 
 import argparse
@@ -186,9 +186,11 @@ def start_server(config: Path | None, log_path: Path, timeout_s: float = 600) ->
     raise LoadTestError(f"tierserve serve did not become healthy; see {log_path}")
 
 
-def tier_pids(url: str) -> dict[str, int]:
-    tiers = httpx.get(f"{url}/health", timeout=5).json()["tiers"]
-    return {tier: info["pid"] for tier, info in tiers.items() if info.get("pid")}
+def server_pids(url: str) -> dict[str, int]:
+    """The gateway's process and its embedded tiers', by name, from its /health."""
+    health = httpx.get(f"{url}/health", timeout=5).json()
+    pids = {tier: info["pid"] for tier, info in health["tiers"].items() if info.get("pid")}
+    return {"gateway": health["pid"]} | pids
 
 
 def kv_blocks_used(url: str) -> dict[str, float]:
@@ -221,7 +223,7 @@ def run_locust(url: str, users: int, spawn_rate: float, duration_s: float, prefi
 def one_run(args: argparse.Namespace, url: str, users: int, prefix: Path) -> Summary:
     """One Locust run at `users`, with the tier processes watched if asked."""
     watch = args.max_rss_growth is not None or args.check_kv_empty
-    pids = tier_pids(url) if watch else {}
+    pids = server_pids(url) if watch else {}
     before = rss_mib(pids) if args.max_rss_growth is not None else {}
     run_locust(url, users, args.spawn_rate, args.duration, prefix)
     summary = read_summary(prefix, users, args.duration)
@@ -230,7 +232,7 @@ def one_run(args: argparse.Namespace, url: str, users: int, prefix: Path) -> Sum
         summary.resources["rss_mib_start"] = {t: round(v, 1) for t, v in before.items()}
         summary.resources["rss_mib_end"] = {t: round(v, 1) for t, v in after.items()}
         summary.resources["rss_growth"] = {t: round(after[t] / before[t] - 1, 4) for t in after}
-        summary.resources["pids_unchanged"] = tier_pids(url) == pids
+        summary.resources["pids_unchanged"] = server_pids(url) == pids
     if args.check_kv_empty:
         time.sleep(2)  # aborted streams free their blocks at the engine's next step
         summary.resources["kv_blocks_used_after"] = kv_blocks_used(url)
@@ -243,9 +245,9 @@ def resource_failures(summary: Summary, max_rss_growth: float | None, kv: bool) 
     assert isinstance(growth, dict)
     for tier, g in growth.items():
         if max_rss_growth is not None and g > max_rss_growth:
-            missed.append(f"{tier} tier RSS grew {g:.1%} > {max_rss_growth:.0%}")
+            missed.append(f"{tier} RSS grew {g:.1%} > {max_rss_growth:.0%}")
     if summary.resources.get("pids_unchanged") is False:
-        missed.append("a tier process restarted during the run")
+        missed.append("a process restarted during the run")
     used = summary.resources.get("kv_blocks_used_after", {})
     assert isinstance(used, dict)
     if kv and (set(used) != set(TIERS) or any(used.values())):
