@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-import orjson
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
@@ -44,6 +43,7 @@ from serving.gateway_proxy import (
     RelayResponse,
     RequestRecord,
     UpstreamFailure,
+    annotated,
     attempt,
     client_wants_usage,
     upstream_payload,
@@ -57,11 +57,6 @@ from serving.supervisor import Supervisor
 from serving.upstream import Upstream, make_upstream
 
 log = logging.getLogger(__name__)
-
-
-def annotated(content: bytes, annotation: dict[str, Any]) -> bytes:
-    """The tier's JSON object with one more field, its own bytes otherwise untouched."""
-    return content.rstrip()[:-1] + b', "tierserve": ' + orjson.dumps(annotation) + b"}"
 
 
 class Gateway:
@@ -159,9 +154,10 @@ class Gateway:
         decision = self.route(body, request.headers.get(TIER_HEADER))
         try:
             decision, ticket = await self.admission.admit(decision, stream)
-        except Overloaded as e:
+        except BaseException as e:  # no room (or the client left while queued)
             charge.settle(0)
-            self.metrics.rejected(e.reason, request_id, client)
+            if isinstance(e, Overloaded):
+                self.metrics.rejected(e.reason, request_id, client)
             raise
         record = RequestRecord(request_id, path, decision, self.metrics, start, client=client)
         record.on_finish += [
@@ -180,8 +176,12 @@ class Gateway:
         except UpstreamFailure as failure:
             status = 504 if failure.cause == "timeout" else 502
             return self._failed(record, status, f"No tier could answer: {failure}", failure.cause)
-        except BaseException:
-            record.finish("error", 500)  # a bug: the slot is freed, the handler answers 500
+        except APIError as e:  # a body that cannot be forwarded
+            record.finish("client_error", e.status_code)
+            raise
+        except BaseException as e:  # the client left, or a bug (answered 500): the slot is freed
+            left = isinstance(e, asyncio.CancelledError)
+            record.finish("cancelled" if left else "error", 499 if left else 500)
             raise
 
     @staticmethod

@@ -318,3 +318,22 @@ async def test_a_bug_is_a_500_without_a_stack_trace(tiers, monkeypatch):
     assert "secret" not in response.text and "Traceback" not in response.text
     assert response.json()["error"]["type"] == "server_error"
     assert metric(app, "tierserve_gateway_admitted_requests", tier="highspeed") == 0
+
+
+async def test_a_client_that_leaves_the_queue_frees_its_place(tiers):
+    gate = Gate(tiers["full"])
+    tiers["full"].handler = gate
+    app = make_app(tiers, limits={"full": {"max_in_flight": 1, "max_queue": 1}})
+    body = CHAT | {"model": "full"}
+    async with client_of(app) as c:
+        held = asyncio.create_task(c.post("/v1/chat/completions", json=body))
+        await until(lambda: gate.arrived == 1)
+        leaving = asyncio.create_task(c.post("/v1/chat/completions", json=body))
+        await until(lambda: metric(app, "tierserve_gateway_queue_depth", tier="full") == 1)
+        leaving.cancel()
+        await until(lambda: metric(app, "tierserve_gateway_queue_depth", tier="full") == 0)
+        gate.open.set()
+        assert (await held).status_code == 200
+        assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+    assert metric(app, "tierserve_gateway_admitted_requests", tier="full") == 0
+    assert gate.arrived == 2  # the one that left never reached the tier
