@@ -49,10 +49,16 @@ async def until(condition, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_full_queue_answers_429_at_once_then_serves_the_queued(tiers):
+def one_slot_full_tier(tiers: dict[str, ScriptedTier]) -> tuple[Gate, FastAPI]:
+    """A gateway whose full tier takes one request at a time and queues one, its answers
+    held by a gate."""
     gate = Gate(tiers["full"])
     tiers["full"].handler = gate
-    app = make_app(tiers, limits={"full": {"max_in_flight": 1, "max_queue": 1}})
+    return gate, make_app(tiers, limits={"full": {"max_in_flight": 1, "max_queue": 1}})
+
+
+async def test_full_queue_answers_429_at_once_then_serves_the_queued(tiers):
+    gate, app = one_slot_full_tier(tiers)
     body = CHAT | {"model": "full"}
     async with client_of(app) as c:
         first = asyncio.create_task(c.post("/v1/chat/completions", json=body))
@@ -321,9 +327,7 @@ async def test_a_bug_is_a_500_without_a_stack_trace(tiers, monkeypatch):
 
 
 async def test_a_client_that_leaves_the_queue_frees_its_place(tiers):
-    gate = Gate(tiers["full"])
-    tiers["full"].handler = gate
-    app = make_app(tiers, limits={"full": {"max_in_flight": 1, "max_queue": 1}})
+    gate, app = one_slot_full_tier(tiers)
     body = CHAT | {"model": "full"}
     async with client_of(app) as c:
         held = asyncio.create_task(c.post("/v1/chat/completions", json=body))
