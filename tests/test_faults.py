@@ -176,7 +176,7 @@ def upstream_url() -> Iterator[str]:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
+    server.should_exit = server.force_exit = True  # the stalled streams need not finish
     thread.join(10)
 
 
