@@ -23,7 +23,6 @@ cost per request. Run:
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
@@ -32,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,48 +57,6 @@ def make_jobs(n: int, max_tokens: int, seed: int = 0) -> list[Job]:
          rng.randint(max_tokens // 2, 3 * max_tokens // 2))
         for _ in range(n)
     ]  # fmt: skip
-
-
-def canned_tier(port: int) -> None:
-    """A tier that answers at once, in our tier's wire format: whole answers, or one SSE
-    event per requested token. Through it, the bench sees only what the hop costs."""
-    import uvicorn
-    from fastapi import FastAPI, Request
-    from fastapi.responses import Response, StreamingResponse
-
-    app = FastAPI()
-    head = {"id": "chatcmpl-canned", "created": 0, "model": "bench-full"}
-    usage = {"prompt_tokens": 32, "completion_tokens": 0, "total_tokens": 32}
-
-    def event(data: dict) -> bytes:
-        return f"data: {json.dumps(head | data)}\n\n".encode()
-
-    async def stream(n: int, include_usage: bool) -> AsyncIterator[bytes]:
-        for _ in range(n):
-            delta = {"index": 0, "delta": {"content": " word"}, "finish_reason": None}
-            yield event({"object": "chat.completion.chunk", "choices": [delta]})
-            await asyncio.sleep(0)  # one write per event, as a real tier makes
-        if include_usage:
-            yield event({"object": "chat.completion.chunk", "choices": [], "usage": usage})
-        yield b"data: [DONE]\n\n"
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        body = await request.json()
-        n = body["max_tokens"]
-        if body.get("stream"):
-            include_usage = (body.get("stream_options") or {}).get("include_usage", False)
-            return StreamingResponse(stream(n, include_usage), media_type="text/event-stream")
-        message = {"role": "assistant", "content": " word" * n}
-        choice = {"index": 0, "message": message, "finish_reason": "length"}
-        data = head | {"object": "chat.completion", "choices": [choice], "usage": usage}
-        return Response(json.dumps(data), media_type="application/json")
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 def start_gateway(tier: dict, workdir: Path) -> tuple[subprocess.Popen, str, str]:
@@ -344,17 +300,14 @@ def main() -> None:
         action="store_true",
         help="tiers that answer at once instead of engines: the hop's cost alone",
     )
-    parser.add_argument("--serve-canned", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_canned:
-        canned_tier(args.serve_canned)
-        return
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         children = []
         if args.canned:
             port = free_port()
-            command = [sys.executable, __file__, "--serve-canned", str(port)]
+            canned = Path(__file__).with_name("canned_tier.py")
+            command = [sys.executable, str(canned), "--port", str(port)]
             children.append(subprocess.Popen(command))
             tier = {"engine": "remote", "base_url": f"http://127.0.0.1:{port}/v1"}
         else:

@@ -21,6 +21,7 @@ from router.outcomes import OutcomeError
 from serving.config import CheckpointError
 from serving.engine import EngineConfig, EngineInputError, LLMEngine
 from serving.gateway_config import GatewayConfigError
+from serving.loadtest import LoadTestError, add_loadtest
 from serving.sampling_params import SamplingParams
 from serving.tokenizer import TokenizerError
 from speculative.config import SpeculativeConfig
@@ -38,6 +39,7 @@ USER_ERRORS = (
     GatewayConfigError,
     RouterFileError,
     OutcomeError,
+    LoadTestError,
 )
 
 
@@ -280,8 +282,9 @@ def run_serve(args: argparse.Namespace) -> None:
     updates = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     config = config.model_validate(config.model_dump() | updates)
     check_checkpoints(config)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call
+    if not config.json_logs:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call
     serve_gateway(config)
 
 
@@ -304,6 +307,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_sandbox,
     add_eval,
     add_train,
+    add_loadtest,
 ]
 
 

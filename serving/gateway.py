@@ -7,89 +7,56 @@ field in whole responses. Streams pass through byte for byte (only the usage eve
 gateway itself asked for is dropped), so a streamed answer is the tier's own.
 """
 
+import asyncio
 import logging
+import os
 import time
-import uuid
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Any
 
 import httpx
-import orjson
 import uvicorn
 from fastapi import FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router.cascade import validate_answer
 from router.override import AUTO_MODEL, TIER_HEADER, OverrideError
 from router.policy import TIERS, Decision, Tier, other_tier
 from router.router import Router, load_policy
 from router.spill import SpillPolicy
+from serving.admission import Admission, Overloaded
+from serving.auth import APIKeyAuth, RateLimiter, load_api_keys
+from serving.gateway_api import (
+    ChatBody,
+    CompletionBody,
+    TokenizerBody,
+    body_schema,
+    describe_bodies,
+    read_body,
+)
 from serving.gateway_config import GatewayConfig
 from serving.gateway_metrics import GatewayMetrics
 from serving.gateway_proxy import (
     Attempt,
+    RelayResponse,
     RequestRecord,
     UpstreamFailure,
+    annotated,
     attempt,
     client_wants_usage,
-    relay,
     upstream_payload,
 )
-from serving.openai_serving import APIError, SSEResponse
+from serving.openai_serving import APIError
 from serving.protocol import ModelCard, ModelList
-from serving.server import APIKeyAuth, install_error_handlers
+from serving.request_limits import BodyLimit, check_prompt, estimated_tokens
+from serving.request_log import RequestIdMiddleware, setup_json_logging
+from serving.server import install_error_handlers
 from serving.supervisor import Supervisor
 from serving.upstream import Upstream, make_upstream
 
 log = logging.getLogger(__name__)
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # everything else is the tier's to validate
-    model: str | None = None
-    stream: bool = False
-
-
-class ChatBody(_Body):
-    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
-    stream_options: dict[str, Any] | None = None
-
-
-class CompletionBody(_Body):
-    prompt: str | Annotated[list[Any], Field(min_length=1)]
-    stream_options: dict[str, Any] | None = None
-
-
-class TokenizerBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-
-
-async def read_body(request: Request, shape: type[BaseModel]) -> dict[str, Any]:
-    """The JSON body as the client sent it, checked against `shape` (the fields routing
-    needs) but not copied through a model: what goes upstream is the client's own body."""
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as e:
-        raise APIError(400, f"The request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object.")
-    try:
-        shape.model_validate(body)
-    except ValidationError as e:
-        raise RequestValidationError(e.errors()) from e
-    return body
-
-
-def annotated(content: bytes, annotation: dict[str, Any]) -> bytes:
-    """The tier's JSON object with one more field, its own bytes otherwise untouched."""
-    return content.rstrip()[:-1] + b', "tierserve": ' + orjson.dumps(annotation) + b"}"
 
 
 class Gateway:
@@ -112,6 +79,9 @@ class Gateway:
         policy = load_policy(rc.policy, rc.learned_path, rc.heuristic_threshold, rc.threshold)
         self.router = Router(policy, spill, model_tiers)
         self.metrics = GatewayMetrics(self.upstreams)
+        self.admission = Admission(config.limits, lambda tier: self.upstreams[tier].available)
+        self.metrics.registry.register(self.admission)
+        self.rate_limiter = RateLimiter(config.rate_limits)
         self.supervisor = Supervisor(self.upstreams, config.supervisor)
         log.info("router: %s policy, threshold %.4f", policy.name, policy.threshold)
 
@@ -129,9 +99,8 @@ class Gateway:
         return info
 
     def route(self, body: dict[str, Any], header: str | None) -> Decision:
-        queues = {tier: u.in_flight for tier, u in self.upstreams.items()}
         try:
-            decision = self.router.route(body, header, queues)
+            decision = self.router.route(body, header, self.admission.loads())
         except OverrideError as e:
             status, code = (404, "model_not_found") if e.not_found else (400, None)
             raise APIError(status, str(e), param=e.param, code=code) from e
@@ -169,18 +138,68 @@ class Gateway:
             raise
 
     async def generate(self, request: Request, path: str, body: dict[str, Any]) -> Response:
+        """Check the request against the limits, route it, admit it to its tier (or refuse
+        it with a 429), and answer it within the request timeout."""
         start = time.perf_counter()
-        decision = self.route(body, request.headers.get(TIER_HEADER))
-        record = RequestRecord(uuid.uuid4().hex, path, decision, self.metrics, arrival=start)
+        request_id, limits = request.state.request_id, self.config.limits
+        client = getattr(request.state, "client_id", None) or getattr(request.client, "host", "-")
+        try:
+            chars = check_prompt(body, limits.max_prompt_chars)
+            charge = self.rate_limiter.charge(client, estimated_tokens(body, chars))
+        except APIError as e:
+            reason = "rate_limit" if e.status_code == 429 else "prompt_too_long"
+            self.metrics.rejected(reason, request_id, client)
+            raise
         stream = bool(body.get("stream"))
+        decision = self.route(body, request.headers.get(TIER_HEADER))
+        try:
+            decision, ticket = await self.admission.admit(decision, stream)
+        except BaseException as e:  # no room (or the client left while queued)
+            charge.settle(0)
+            if isinstance(e, Overloaded):
+                self.metrics.rejected(e.reason, request_id, client)
+            raise
+        record = RequestRecord(request_id, path, decision, self.metrics, start, client=client)
+        record.on_finish += [
+            lambda _: ticket.release(),
+            lambda r: charge.settle((r.usage or {}).get("total_tokens")),
+        ]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limits.request_timeout_s - (time.perf_counter() - start)
         overhead = time.perf_counter() - start
         try:
-            result = await self.send(record, path, body, stream)
+            async with asyncio.timeout_at(deadline):
+                return await self._answer(record, path, body, stream, deadline, overhead)
+        except TimeoutError:
+            message = f"No answer within {limits.request_timeout_s:g} s."
+            return self._failed(record, 504, message, "request_timeout")
         except UpstreamFailure as failure:
-            record.finish("error", 502)
             status = 504 if failure.cause == "timeout" else 502
-            error = APIError(status, f"No tier could answer: {failure}", type="server_error")
-            return JSONResponse(error.body.model_dump(), status, headers=record.headers())
+            return self._failed(record, status, f"No tier could answer: {failure}", failure.cause)
+        except APIError as e:  # a body that cannot be forwarded
+            record.finish("client_error", e.status_code)
+            raise
+        except BaseException as e:  # the client left, or a bug (answered 500): the slot is freed
+            left = isinstance(e, asyncio.CancelledError)
+            record.finish("cancelled" if left else "error", 499 if left else 500)
+            raise
+
+    @staticmethod
+    def _failed(record: RequestRecord, status: int, message: str, code: str) -> Response:
+        record.finish("error", status)
+        error = APIError(status, message, type="server_error", code=code)
+        return JSONResponse(error.body.model_dump(), status, headers=record.headers())
+
+    async def _answer(
+        self,
+        record: RequestRecord,
+        path: str,
+        body: dict[str, Any],
+        stream: bool,
+        deadline: float,
+        overhead: float,
+    ) -> Response:
+        result = await self.send(record, path, body, stream)
         status = result.response.status_code
         if status != 200:  # the tier's own 4xx (bad parameters): passed through as it is
             await result.close()
@@ -193,14 +212,11 @@ class Gateway:
             )
         if stream:
             self.metrics.overhead.observe(overhead)
-            return SSEResponse(
-                relay(result, record, strip_usage=not client_wants_usage(body)),
-                headers=record.headers(),
-            )
+            strip_usage = not client_wants_usage(body)
+            return RelayResponse(result, record, strip_usage, deadline)
         await result.close()
         after = time.perf_counter()
-        content = result.response.content
-        data = orjson.loads(content)
+        content, data = result.response.content, result.data or {}
         if self.config.router.cascade.enabled:
             content, data = await self._cascade(record, path, body, content, data)
         record.usage = data.get("usage")
@@ -234,10 +250,10 @@ class Gateway:
             record.decision = routed
             return content, data
         await result.close()
-        if result.response.status_code != 200:
+        if result.response.status_code != 200 or result.data is None:
             record.decision = routed
             return content, data
-        return result.response.content, orjson.loads(result.response.content)
+        return result.response.content, result.data
 
     async def forward_tokenizer(self, path: str, body: dict[str, Any]) -> Response:
         """/tokenize and /detokenize, answered by the named tier (the full tier for `auto`;
@@ -276,7 +292,8 @@ class Gateway:
         tiers = {tier: u.describe() for tier, u in self.upstreams.items()}
         healthy = [u.available for u in self.upstreams.values()]
         status = "ok" if all(healthy) else "degraded" if any(healthy) else "unavailable"
-        body = {"status": status, "router": self.describe_router(), "tiers": tiers}
+        body = {"status": status, "pid": os.getpid(), "router": self.describe_router()}
+        body["tiers"] = tiers
         return JSONResponse(body, status_code=200 if any(healthy) else 503)
 
     async def close(self) -> None:
@@ -297,18 +314,36 @@ def build_gateway_app(config: GatewayConfig) -> FastAPI:
         finally:
             await gateway.close()
 
-    app = FastAPI(title="tierserve gateway", lifespan=lifespan)
+    app = FastAPI(title="tierserve gateway", version="1", lifespan=lifespan)
     app.state.gateway = gateway
-    if config.api_key:
-        app.add_middleware(APIKeyAuth, api_key=config.api_key, open_prefixes=("/metrics",))
+    api_keys = load_api_keys(config)
+    if api_keys:  # innermost first: auth, then the body limit, CORS, and the request id
+        app.add_middleware(APIKeyAuth, api_keys=api_keys, open_prefixes=("/metrics",))
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=config.limits.max_body_bytes,
+        on_reject=lambda: gateway.metrics.rejected("body_too_large", None, None),
+    )
+    if config.cors.allow_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.cors.allow_origins,
+            allow_methods=config.cors.allow_methods,
+            allow_headers=config.cors.allow_headers,
+            allow_credentials=config.cors.allow_credentials,
+            expose_headers=["X-Request-Id", "X-Tierserve-Tier", "X-Tierserve-Reason"],
+            max_age=config.cors.max_age_s,
+        )
+    app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
+    describe_bodies(app, [ChatBody, CompletionBody, TokenizerBody])
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatBody))
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatBody)
         return await gateway.generate(request, "/chat/completions", body)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionBody))
     async def completions(request: Request) -> Response:
         return await gateway.generate(
             request, "/completions", await read_body(request, CompletionBody)
@@ -345,6 +380,8 @@ def build_gateway_app(config: GatewayConfig) -> FastAPI:
 def serve_gateway(config: GatewayConfig) -> None:
     """Serve until SIGINT or SIGTERM, then drain in-flight requests (up to the drain timeout)
     and stop the tiers."""
+    if config.json_logs:
+        setup_json_logging()
     app = build_gateway_app(config)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -354,6 +391,7 @@ def serve_gateway(config: GatewayConfig) -> None:
             timeout_graceful_shutdown=int(config.drain_timeout_s),
             timeout_keep_alive=int(config.keepalive_timeout_s),
             access_log=False,  # the gateway logs one line per request itself
+            log_config=None if config.json_logs else uvicorn.config.LOGGING_CONFIG,
         )
     )
     server.run()

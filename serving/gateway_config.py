@@ -116,10 +116,66 @@ class SupervisorConfig(_Strict):
     stop_timeout_s: Seconds = 10.0  # SIGTERM to SIGKILL for a child
 
 
+class TierLimits(_Strict):
+    """Admission to one tier: a bounded number of requests at the tier, a bounded queue."""
+
+    max_in_flight: Annotated[int, Field(ge=1)] = 32  # the engine's default max_num_seqs
+    max_queue: Annotated[int, Field(ge=0)] = 64  # waiting for a slot; beyond it: 429
+
+
+class LimitsConfig(_Strict):
+    """Backpressure: what the gateway accepts before it answers 429 (never a hang, never a
+    5xx for overload)."""
+
+    full: TierLimits = TierLimits()
+    highspeed: TierLimits = TierLimits()
+    queue_timeout_s: Seconds = 30.0  # a queued request waiting longer gets a 429
+    # A whole answer, or a stream from arrival to its last byte; past it: 504, or a stream
+    # ends with an error event.
+    request_timeout_s: Seconds = 600.0
+    max_concurrent_streams: Annotated[int, Field(ge=1)] = 256
+    max_prompt_chars: Annotated[int, Field(ge=1)] = 200_000  # messages' or prompt's text
+    max_body_bytes: Annotated[int, Field(ge=1)] = 4 << 20  # 413 beyond it
+    retry_after_s: Annotated[int, Field(ge=1)] = 1  # the Retry-After of an overload 429
+
+
+class RateLimitConfig(_Strict):
+    """Per client (API key, or address when no keys are set), as token buckets that refill
+    continuously; None: no limit."""
+
+    requests_per_minute: Annotated[int, Field(ge=1)] | None = None
+    tokens_per_minute: Annotated[int, Field(ge=1)] | None = None  # prompt + completion
+
+
+class AuthConfig(_Strict):
+    """API keys, from any of: this list, a file (one key a line, `#` comments), an
+    environment variable (comma-separated). With none, the API is open."""
+
+    api_keys: list[Annotated[str, Field(min_length=1)]] = []
+    api_keys_file: Path | None = None
+    api_keys_env: str = "TIERSERVE_API_KEYS"
+
+
+class CORSConfig(_Strict):
+    """Cross-origin access for browser clients; no origins: no CORS headers at all."""
+
+    allow_origins: list[str] = []
+    allow_methods: list[str] = ["GET", "POST", "OPTIONS"]
+    allow_headers: list[str] = ["Authorization", "Content-Type", "X-Request-Id",
+                                "X-Tierserve-Tier"]  # fmt: skip
+    allow_credentials: bool = False
+    max_age_s: Annotated[int, Field(ge=0)] = 600
+
+
 class GatewayConfig(_Strict):
     host: str = "127.0.0.1"
     port: Port = 8000
-    api_key: str | None = None  # clients must send it as a bearer token
+    api_key: str | None = None  # one key (kept for old configs); `auth` takes several
+    auth: AuthConfig = AuthConfig()
+    rate_limits: RateLimitConfig = RateLimitConfig()
+    limits: LimitsConfig = LimitsConfig()
+    cors: CORSConfig = CORSConfig()
+    json_logs: bool = True  # one JSON object per log line on stderr
     tiers: Tiers = Tiers(
         full=EmbeddedTier(model=Path("models/demo-full")),
         highspeed=EmbeddedTier(model=Path("models/demo-highspeed")),

@@ -4,6 +4,7 @@ Routing, fallbacks and upstream errors are counted as they happen; each logical 
 counted exactly once, by the tier that answered it and its outcome, when it ends.
 """
 
+import logging
 from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -14,6 +15,7 @@ from router.policy import Decision, Tier
 from serving.metrics import REQUEST_BUCKETS
 from serving.upstream import Upstream
 
+log = logging.getLogger("tierserve.requests")
 PREFIX = "tierserve_gateway_"
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 SCORE_BUCKETS = tuple(i / 20 for i in range(1, 21))
@@ -68,6 +70,11 @@ class GatewayMetrics:
             "Highspeed answers that failed validation and went to the full tier.",
             "cause",
         )
+        self.rejections = counter(
+            "rejections",
+            "Requests refused before reaching a tier (overload, rate limit, size limits).",
+            "reason",
+        )
         self.router_score = Histogram(
             PREFIX + "router_score", "Router scores.", ["policy"], buckets=SCORE_BUCKETS, registry=r
         )
@@ -90,6 +97,16 @@ class GatewayMetrics:
         self.decisions.labels(decision.policy, decision.reason, decision.tier).inc()
         if decision.score is not None:
             self.router_score.labels(decision.policy).observe(decision.score)
+
+    def rejected(self, reason: str, request_id: str | None, client: str | None) -> None:
+        """Count a refused request and log it (it has no RequestRecord)."""
+        self.rejections.labels(reason).inc()
+        log.info(
+            "rejected: %s",
+            reason,
+            extra={"request_id": request_id, "client": client, "outcome": "rejected",
+                   "reason": reason},
+        )  # fmt: skip
 
     def usage(self, tier: Tier, usage: Mapping[str, int]) -> None:
         self.prompt_tokens.labels(tier).inc(usage.get("prompt_tokens") or 0)

@@ -8,23 +8,28 @@ After it, a broken upstream ends the client's stream with an OpenAI error event:
 that has begun is never restarted, since the client has already seen part of an answer.
 """
 
+import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import orjson
+from starlette.types import Receive, Scope, Send
 
 from router.policy import Decision, Tier, other_tier
 from serving.gateway_metrics import GatewayMetrics
-from serving.openai_serving import SSE_DONE, APIError, error_json, sse
+from serving.openai_serving import SSE_DONE, APIError, SSEResponse, error_json, sse
 from serving.upstream import Upstream
 
 log = logging.getLogger("tierserve.requests")
 _USAGE_EVENT = re.compile(rb'"usage":\s*\{')
+# How an SSE stream begins: a field (data, event, id, retry) or a comment (":").
+_SSE_START = re.compile(rb"(data|event|id|retry)?:")
+_SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:")
 
 
 class UpstreamFailure(Exception):
@@ -44,6 +49,7 @@ class Attempt:
     response: httpx.Response
     chunks: AsyncIterator[bytes]
     first_chunk: bytes = b""
+    data: dict[str, Any] | None = None  # a whole answer, parsed
     _closed: bool = False
 
     async def close(self) -> None:
@@ -56,20 +62,25 @@ class Attempt:
 async def attempt(
     upstream: Upstream, address: str, payload: bytes, headers: dict[str, str], stream: bool
 ) -> Attempt:
-    """Send one request to a tier; raise UpstreamFailure if it fails before its first byte.
-    A whole (non-stream) response is read completely. The request goes straight to the
-    connection pool: a proxy needs none of the client's redirects, auth flows or cookies."""
+    """Send one request to a tier; raise UpstreamFailure if it fails before its first byte,
+    or if what arrives is not what an OpenAI server sends (a whole answer that is not a JSON
+    object, a stream that does not begin with an SSE field). A whole (non-stream) response
+    is read and parsed completely. The request goes straight to the connection pool: a
+    proxy needs none of the client's redirects, auth flows or cookies."""
     upstream.in_flight += 1
     try:
         url = upstream.url(address)
         request = upstream.client.build_request("POST", url, content=payload, headers=headers)
         response = await upstream.transport.handle_async_request(request)
-    except httpx.TimeoutException as e:
+    except BaseException as e:
         upstream.in_flight -= 1
-        raise UpstreamFailure("timeout", f"{upstream.tier} tier timed out: {e!r}") from e
-    except httpx.HTTPError as e:
-        upstream.in_flight -= 1
-        raise UpstreamFailure("connect_error", f"{upstream.tier} tier unreachable: {e!r}") from e
+        if isinstance(e, httpx.TimeoutException):
+            raise UpstreamFailure("timeout", f"{upstream.tier} tier timed out: {e!r}") from e
+        if isinstance(e, httpx.HTTPError):
+            raise UpstreamFailure(
+                "connect_error", f"{upstream.tier} tier unreachable: {e!r}"
+            ) from e
+        raise  # cancelled (the request timed out, the client left)
     result = Attempt(upstream, response, response.aiter_raw())
     try:
         if response.status_code >= 500:
@@ -79,16 +90,38 @@ async def attempt(
             )
         if stream and response.status_code == 200:
             result.first_chunk = await anext(result.chunks)
+            if not _looks_like_sse(result.first_chunk):
+                raise UpstreamFailure(
+                    "malformed_response", f"{upstream.tier} tier sent a stream that is not SSE"
+                )
         else:
             await response.aread()
+            if response.status_code == 200:
+                result.data = _json_object(response.content, upstream.tier)
     except (httpx.HTTPError, StopAsyncIteration) as e:
         await result.close()
         cause = "timeout" if isinstance(e, httpx.TimeoutException) else "broken_response"
         raise UpstreamFailure(cause, f"{upstream.tier} tier broke off: {e!r}") from e
-    except UpstreamFailure:
+    except BaseException:
         await result.close()
         raise
     return result
+
+
+def _looks_like_sse(chunk: bytes) -> bool:
+    """Whether a stream's first chunk begins as SSE does (or is too short to tell)."""
+    start = chunk.lstrip()
+    return bool(_SSE_START.match(start)) or any(f.startswith(start) for f in _SSE_FIELDS)
+
+
+def _json_object(content: bytes, tier: Tier) -> dict[str, Any]:
+    try:
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        data = None
+    if not isinstance(data, dict):
+        raise UpstreamFailure("malformed_response", f"{tier} tier sent an answer that is not JSON")
+    return data
 
 
 def upstream_payload(body: dict[str, Any], model: str) -> bytes:
@@ -97,7 +130,10 @@ def upstream_payload(body: dict[str, Any], model: str) -> bytes:
     body = dict(body, model=model)
     if body.get("stream"):
         body["stream_options"] = dict(body.get("stream_options") or {}, include_usage=True)
-    return orjson.dumps(body)
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError as e:  # e.g. an integer beyond 64 bits
+        raise APIError(400, f"The request body cannot be forwarded: {e}") from e
 
 
 def client_wants_usage(body: dict[str, Any]) -> bool:
@@ -116,6 +152,9 @@ class RequestRecord:
     arrival: float = field(default_factory=time.perf_counter)
     fallback_from: Tier | None = None
     usage: dict[str, int] | None = None
+    client: str | None = None  # the API key's id or the client's address, for the log
+    # Called once when the request ends: the admission slot, the rate-limit settlement.
+    on_finish: list[Callable[["RequestRecord"], None]] = field(default_factory=list)
     _finished: bool = False
 
     def fell_back(self, failure: UpstreamFailure) -> None:
@@ -138,7 +177,6 @@ class RequestRecord:
 
     def headers(self) -> dict[str, str]:
         headers = {
-            "X-Request-Id": self.request_id,
             "X-Tierserve-Tier": self.decision.tier,
             "X-Tierserve-Policy": self.decision.policy,
             "X-Tierserve-Reason": self.decision.reason,
@@ -160,22 +198,35 @@ class RequestRecord:
         self.metrics.e2e_latency.labels(tier).observe(latency)
         if self.usage:
             self.metrics.usage(tier, self.usage)
+        for callback in self.on_finish:
+            callback(self)
+        usage = self.usage or {}
         log.info(
-            "request %s %s tier=%s policy=%s reason=%s score=%s fallback_from=%s status=%d "
-            "outcome=%s prompt_tokens=%s completion_tokens=%s latency_ms=%.1f",
-            self.request_id,
+            "%s %s %d",
             self.endpoint,
-            tier,
-            self.decision.policy,
-            self.decision.reason,
-            "-" if self.decision.score is None else f"{self.decision.score:.4f}",
-            self.fallback_from or "-",
-            status,
             outcome,
-            (self.usage or {}).get("prompt_tokens", "-"),
-            (self.usage or {}).get("completion_tokens", "-"),
-            1000 * latency,
+            status,
+            extra={
+                "request_id": self.request_id,
+                "endpoint": self.endpoint,
+                "client": self.client,
+                "tier": tier,
+                "policy": self.decision.policy,
+                "reason": self.decision.reason,
+                "score": self.decision.score,
+                "fallback_from": self.fallback_from,
+                "status": status,
+                "outcome": outcome,
+                "prompt_tokens": usage.get("prompt_tokens"),
+                "completion_tokens": usage.get("completion_tokens"),
+                "latency_ms": round(1000 * latency, 1),
+            },
         )
+
+
+def annotated(content: bytes, annotation: dict[str, Any]) -> bytes:
+    """The tier's JSON object with one more field, its own bytes otherwise untouched."""
+    return content.rstrip()[:-1] + b', "tierserve": ' + orjson.dumps(annotation) + b"}"
 
 
 def _account_usage(events: bytes, record: RequestRecord, strip_usage: bool) -> bytes:
@@ -191,10 +242,15 @@ def _account_usage(events: bytes, record: RequestRecord, strip_usage: bool) -> b
     return b"".join(kept)
 
 
-async def relay(attempt: Attempt, record: RequestRecord, strip_usage: bool) -> AsyncIterator[bytes]:
-    """The tier's SSE stream, passed on as each chunk arrives (whole events only). Only a
-    chunk that mentions usage is taken apart into events; the rest pass as they are."""
+async def relay(
+    attempt: Attempt, record: RequestRecord, strip_usage: bool, deadline: float
+) -> AsyncIterator[bytes]:
+    """The tier's SSE stream, passed on as each chunk arrives (whole events only), until the
+    request's deadline (on the event loop's clock). Only a chunk that mentions usage is taken apart
+    into events; the rest pass as they are. A tier that breaks off, or a stream past its
+    deadline, ends with an OpenAI error event and `[DONE]`."""
     buffer = attempt.first_chunk
+    tier = record.decision.tier
     try:
         while True:
             last = buffer.rfind(b"\n\n")
@@ -205,18 +261,44 @@ async def relay(attempt: Attempt, record: RequestRecord, strip_usage: bool) -> A
             if events:
                 yield events
             try:
-                buffer += await anext(attempt.chunks)
+                async with asyncio.timeout_at(deadline):
+                    buffer += await anext(attempt.chunks)
             except StopAsyncIteration:
                 break
         if buffer:
             yield buffer
         record.finish("success", 200)
-    except httpx.HTTPError as e:
-        record.metrics.upstream_errors.labels(record.decision.tier, "broken_stream").inc()
-        error = APIError(502, f"The {record.decision.tier} tier broke off the stream: {e!r}",
-                         type="server_error")  # fmt: skip
+    except (httpx.HTTPError, TimeoutError) as e:
+        timed_out = isinstance(e, TimeoutError)
+        cause = "request_timeout" if timed_out else "broken_stream"
+        record.metrics.upstream_errors.labels(tier, cause).inc()
+        message = (
+            f"The request exceeded its time limit on the {tier} tier."
+            if timed_out
+            else f"The {tier} tier broke off the stream: {e!r}"
+        )
+        code = "request_timeout" if timed_out else "upstream_error"
+        error = APIError(504 if timed_out else 502, message, type="server_error", code=code)
         yield (sse(error_json(error)) + SSE_DONE).encode()
-        record.finish("error", 502)
+        record.finish("error", error.status_code)
     finally:
         await attempt.close()
         record.finish("cancelled", 499)  # the client left mid-stream
+
+
+class RelayResponse(SSEResponse):
+    """The relayed stream as a response. Its attempt is closed and its record finished when
+    the response ends, even if the stream was never iterated (the client left first)."""
+
+    def __init__(
+        self, result: Attempt, record: RequestRecord, strip_usage: bool, deadline: float
+    ) -> None:
+        super().__init__(relay(result, record, strip_usage, deadline), headers=record.headers())
+        self.attempt, self.record = result, record
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.attempt.close()
+            self.record.finish("cancelled", 499)

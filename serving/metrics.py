@@ -48,6 +48,14 @@ class _EngineGauges(Collector):
         )
         usage.add_metric([self.model_name], self.engine.blocks.usage)
         yield usage
+        blocks = self.engine.blocks
+        used = GaugeMetricFamily(
+            PREFIX + "kv_cache_used_blocks",
+            "KV cache blocks held by live sequences (0 when idle: nothing leaked).",
+            labels=["model_name"],
+        )
+        used.add_metric([self.model_name], blocks.num_blocks - blocks.num_free_blocks)
+        yield used
 
 
 class _SpecDecodeCounters(Collector):

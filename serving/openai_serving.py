@@ -46,15 +46,17 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: int | str | None = None,
+        headers: dict[str, str] | None = None,  # e.g. Retry-After on a 429
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.headers = headers
         self.body = ErrorResponse(
             error=ErrorInfo(message=message, type=type, param=param, code=code)
         )
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body.model_dump(), status_code=self.status_code)
+        return JSONResponse(self.body.model_dump(), self.status_code, headers=self.headers)
 
 
 def error_json(error: APIError) -> str:

@@ -5,7 +5,6 @@ Every error is OpenAI-shaped JSON; bad input is a 4xx, never a 500 or a stack tr
 """
 
 import logging
-import secrets
 from pathlib import Path
 
 import uvicorn
@@ -14,9 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving.async_engine import AsyncEngine
+from serving.auth import APIKeyAuth
 from serving.engine import EngineConfig, LLMEngine
 from serving.metrics import ServerMetrics
 from serving.openai_chat import chat_router
@@ -33,38 +32,6 @@ from serving.protocol import (
 from serving.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-# Probes and scrapers carry no API key.
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
-
-
-class APIKeyAuth:
-    """Requires `Authorization: Bearer <key>` on every path but the open ones, compared in
-    constant time. Pure ASGI (not BaseHTTPMiddleware), so streaming and disconnect detection
-    pass through untouched."""
-
-    def __init__(self, app: ASGIApp, api_key: str, open_prefixes: tuple[str, ...] = ()) -> None:
-        self.app = app
-        self._key = api_key.encode()
-        self._open_prefixes = open_prefixes
-
-    def _authorized(self, scope: Scope) -> bool:
-        value = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = value.partition(b" ")
-        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self._key)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        protected = (
-            scope["type"] == "http"
-            and path not in _OPEN_PATHS
-            and not path.startswith(self._open_prefixes)
-        )
-        if protected and not self._authorized(scope):
-            error = APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
-            await error.response()(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -112,7 +79,7 @@ def build_app(
     serving = OpenAIServing(engine, tokenizer, model_name, ServerMetrics(engine.engine, model_name))
     app = FastAPI(title="tierserve", summary=f"OpenAI-compatible server for {model_name}")
     if api_key:
-        app.add_middleware(APIKeyAuth, api_key=api_key)
+        app.add_middleware(APIKeyAuth, api_keys=[api_key])
     install_error_handlers(app)
     app.include_router(chat_router(serving))
     app.include_router(completions_router(serving))

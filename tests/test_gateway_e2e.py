@@ -5,8 +5,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,95 +13,21 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import yaml
-
-from serving.upstream import free_port
+from gateway_processes import NAMES, Gateway, alive, child_pids, start_gateway, stop
 
 pytestmark = pytest.mark.slow
-NAMES = {"full": "tiny-full", "highspeed": "tiny-fast"}
 USER = [{"role": "user", "content": "Write a haiku about the sea."}]
 TOOLS = [{"type": "function", "function": {"name": n}} for n in ["get_date", "get_time"]]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) is gone for our purposes.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[1][0] != "Z"
-
-
-class Gateway:
-    def __init__(self, process: subprocess.Popen, url: str) -> None:
-        self.process = process
-        self.url = url
-
-    def health(self) -> dict:
-        return httpx.get(f"{self.url}/health", timeout=5).json()
-
-    def wait_healthy(self, timeout_s: float = 120) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.process.poll() is None, "tierserve serve exited"
-            assert time.monotonic() < deadline, "tiers did not become healthy"
-            try:
-                health = self.health()
-                if health["status"] == "ok":
-                    return health
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-
-
-def start_gateway(checkpoint: Path, directory: Path) -> Gateway:
-    """`tierserve serve` over two embedded tiers of `checkpoint`, healthy."""
-    tier = {"model": str(checkpoint), "max_model_len": 256, "kv_cache_memory_mib": 8}
-    port = free_port()
-    config = {
-        "port": port,
-        "tiers": {t: tier | {"served_model_name": name} for t, name in NAMES.items()},
-        "router": {"policy": "heuristic"},
-        "supervisor": {"health_interval_s": 0.5, "restart_backoff_s": 0.5},
-        "drain_timeout_s": 20,
-    }
-    path = directory / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-c", "from serving.cli import main; main()", "serve"]
-    log = (directory / "serve.log").open("w")
-    process = subprocess.Popen([*command, "--config", str(path)], stderr=log, stdout=log)
-    gw = Gateway(process, f"http://127.0.0.1:{port}")
-    gw.wait_healthy()
-    return gw
-
-
-def stop(gw: Gateway, pids: list[int]) -> None:
-    if gw.process.poll() is None:
-        gw.process.terminate()
-        gw.process.wait(timeout=60)
-    for pid in pids:
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
 def gateway(random_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     gw = start_gateway(random_checkpoint, tmp_path_factory.mktemp("gateway"))
-    pids = _child_pids(gw)
+    pids = child_pids(gw)
     try:
         yield gw
     finally:
-        stop(gw, pids + _child_pids(gw))
-
-
-def _child_pids(gw: Gateway) -> list[int]:
-    if gw.process.poll() is not None:
-        return []
-    try:
-        return [t["pid"] for t in gw.health()["tiers"].values()]
-    except httpx.HTTPError:
-        return []
+        stop(gw, pids + child_pids(gw))
 
 
 @pytest.fixture
@@ -229,7 +153,7 @@ def test_killed_tier_falls_back_then_restarts(gateway: Gateway, client: openai.O
 
 def test_sigterm_drains_and_leaves_no_orphans(gateway: Gateway):
     """Runs last: a stream in flight at SIGTERM completes, then the tiers stop."""
-    pids = _child_pids(gateway)
+    pids = child_pids(gateway)
     body = {"model": "highspeed", "messages": USER, "max_tokens": 64, "stream": True}
     body |= {"ignore_eos": True, "temperature": 0}
     received: list[bytes] = []
@@ -246,18 +170,18 @@ def test_sigterm_drains_and_leaves_no_orphans(gateway: Gateway):
     assert b"".join(received).endswith(b"data: [DONE]\n\n")
     # uvicorn re-raises the signal once shut down, so a clean exit reads as -SIGTERM.
     assert gateway.process.wait(timeout=60) in (0, -signal.SIGTERM)
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if alive(pid)]
 
 
 def test_tiers_die_with_a_killed_gateway(random_checkpoint: Path, tmp_path: Path):
     """Even SIGKILL, which leaves the gateway no chance to clean up, leaves no orphans."""
     gw = start_gateway(random_checkpoint, tmp_path)
-    pids = _child_pids(gw)
+    pids = child_pids(gw)
     try:
         gw.process.kill()
         gw.process.wait(timeout=10)
         deadline = time.monotonic() + 30
-        while [pid for pid in pids if _alive(pid)]:
+        while [pid for pid in pids if alive(pid)]:
             assert time.monotonic() < deadline, "tier processes outlived the gateway"
             time.sleep(0.2)
     finally:
