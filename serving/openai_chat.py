@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -37,10 +38,8 @@ from serving.protocol import (
     ChatResponseMessage,
     DeltaMessage,
     DeltaToolCall,
-    ResponseMetrics,
     ToolCall,
     TopLogprob,
-    UsageInfo,
 )
 from serving.protocol import TokenLogprob as LogprobEntry
 from serving.reasoning import THINK_START, ReasoningStream, split_reasoning
@@ -136,23 +135,12 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(
-        choices: list[ChatCompletionStreamChoice],
-        usage: UsageInfo | None = None,
-        metrics: ResponseMetrics | None = None,
-    ) -> str:
-        return sse(
-            _chunk_json(
-                ChatCompletionChunk(
-                    id=request_id,
-                    model=serving.model_name,
-                    created=created,
-                    choices=choices,
-                    usage=usage,
-                    metrics=metrics,
-                )
-            )
+    def chunk(choices: list[ChatCompletionStreamChoice], **final: Any) -> str:
+        """A chunk; the final one also sets `usage` and `metrics`."""
+        data = ChatCompletionChunk(
+            id=request_id, model=serving.model_name, created=created, choices=choices, **final
         )
+        return sse(_chunk_json(data))
 
     yield chunk(
         [
@@ -193,7 +181,7 @@ async def _stream(
         return
     if include_usage:
         usage = usage_info(len(prompt_ids), completion_tokens)
-        yield chunk([], usage, serving.response_metrics([spec]))
+        yield chunk([], usage=usage, metrics=serving.response_metrics([spec]))
     yield SSE_DONE
 
 

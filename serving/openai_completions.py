@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -30,8 +31,6 @@ from serving.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    ResponseMetrics,
-    UsageInfo,
 )
 from serving.sampling_params import SamplingParams
 from serving.sequence import SpecCounts, TokenLogprob
@@ -107,18 +106,10 @@ async def _stream(
     completion_tokens = 0
     spec: dict[int, SpecCounts | None] = {}
 
-    def chunk(
-        choices: list[CompletionChoice],
-        usage: UsageInfo | None = None,
-        metrics: ResponseMetrics | None = None,
-    ) -> str:
+    def chunk(choices: list[CompletionChoice], **final: Any) -> str:
+        """A chunk; the final one also sets `usage` and `metrics`."""
         data = CompletionChunk(
-            id=request_id,
-            model=serving.model_name,
-            created=created,
-            choices=choices,
-            usage=usage,
-            metrics=metrics,
+            id=request_id, model=serving.model_name, created=created, choices=choices, **final
         ).model_dump()
         if data["usage"] is None:
             del data["usage"]
@@ -162,7 +153,7 @@ async def _stream(
         return
     if include_usage:
         usage = usage_info(sum(len(p.ids) for p in prompts), completion_tokens)
-        yield chunk([], usage, serving.response_metrics(list(spec.values())))
+        yield chunk([], usage=usage, metrics=serving.response_metrics(list(spec.values())))
     yield SSE_DONE
 
 
