@@ -311,10 +311,12 @@ class _Response(BaseModel):
     metrics: ResponseMetrics | None = None
 
     @model_serializer(mode="wrap")
-    def _omit_missing_metrics(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _metrics_last(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """`metrics` after `usage`, as vLLM writes it, and only when there are some."""
         data = handler(self)
-        if data.get("metrics", 0) is None:
-            del data["metrics"]
+        metrics = data.pop("metrics", None)
+        if metrics is not None:
+            data["metrics"] = metrics
         return data
 
 
