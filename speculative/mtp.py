@@ -12,8 +12,9 @@ Chained positions lie past the computed ones, so the target's verification step 
 next catch-up overwrite them.
 
 Steps without speculation (a busy engine) skip the catch-up to save its cost, and so does a
-sequence once it decodes without drafts (its lookahead fell to 0, or it cannot speculate):
-such sequences lose their MTP context and are not drafted again. A prefix-cache
+sequence that has decoded `IDLE_STEPS_KEPT` steps in a row without drafts (its lookahead
+fell to 0 and a probe did not revive it, or it cannot speculate): such sequences lose
+their MTP context and are not drafted again. A prefix-cache
 hit reuses MTP entries written by the sequence that cached the blocks; at the last
 position of the last shared block that entry saw that sequence's next token, which can
 only lower acceptance, never change outputs.
@@ -27,6 +28,10 @@ from serving.model_runner import ModelRunner, StepOutput, TokenSpan
 from serving.sequence import Sequence
 from speculative.draft_model import propose_tokens
 
+# A sequence decoding without drafts keeps its MTP context this many steps (the speculator
+# probes again after 8), then gives it up to save the catch-up.
+IDLE_STEPS_KEPT = 8
+
 
 class MTPProposer:
     def __init__(self, runner: ModelRunner, blocks: BlockManager, vocab: int) -> None:
@@ -39,6 +44,7 @@ class MTPProposer:
         self.blocks = blocks
         self.vocab = vocab
         self.gapped: set[int] = set()  # sequences whose MTP cache missed a step
+        self.idle: dict[int, int] = {}  # steps each sequence has decoded without drafts
 
     def _forward(self, items: list[tuple[TokenSpan, torch.Tensor]]) -> list[torch.Tensor]:
         """The MTP layer's outputs over spans of (position, next token) with the target's
@@ -62,9 +68,13 @@ class MTPProposer:
         for (seq, n), start in zip(step.batch, step.starts, strict=True):
             computed = seq.num_computed_tokens - start  # fed and kept (drafts may be rejected)
             live = not seq.is_finished and seq.block_table and seq.seq_id not in self.gapped
-            if live and seq.num_computed_tokens == len(seq) - 1 and seq.seq_id not in drafting:
-                self.gapped.add(seq.seq_id)  # decoding without drafts: no catch-up from now on
-            elif live:
+            if live and seq.num_computed_tokens == len(seq) - 1:
+                idle = 0 if seq.seq_id in drafting else self.idle.get(seq.seq_id, 0) + 1
+                self.idle[seq.seq_id] = idle
+                if idle > IDLE_STEPS_KEPT:  # decoding without drafts: no catch-up from now on
+                    self.gapped.add(seq.seq_id)
+                    live = False
+            if live:
                 span = TokenSpan(
                     seq.block_table, start, seq.token_ids[start + 1 : start + computed + 1]
                 )
@@ -117,3 +127,4 @@ class MTPProposer:
 
     def release(self, seq: Sequence) -> None:
         self.gapped.discard(seq.seq_id)
+        self.idle.pop(seq.seq_id, None)
