@@ -328,3 +328,5 @@ def main(argv: list[str] | None = None) -> None:
     except USER_ERRORS as e:
         print(f"tierserve: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn re-raises it once it has shut down cleanly
+        sys.exit(130)
