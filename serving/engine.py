@@ -66,7 +66,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    spec: SpecCounts | None = None  # speculative decoding so far, over its sequences
+    spec: SpecCounts | None = None  # speculative decoding over its sequences, when finished
 
 
 @dataclass
@@ -288,7 +288,7 @@ class LLMEngine:
             first_scheduled_time=first.scheduled_time,
             first_token_time=first.first_token_time,
         )
-        if self.speculator:
+        if self.speculator and out.finished:
             out.spec = SpecCounts()
             for seq in req.seqs:
                 out.spec.merge(seq.spec)

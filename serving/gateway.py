@@ -292,8 +292,12 @@ class Gateway:
         tiers = {tier: u.describe() for tier, u in self.upstreams.items()}
         healthy = [u.available for u in self.upstreams.values()]
         status = "ok" if all(healthy) else "degraded" if any(healthy) else "unavailable"
-        body = {"status": status, "pid": os.getpid(), "router": self.describe_router()}
-        body["tiers"] = tiers
+        body = {
+            "status": status,
+            "pid": os.getpid(),
+            "router": self.describe_router(),
+            "tiers": tiers,
+        }
         return JSONResponse(body, status_code=200 if any(healthy) else 503)
 
     async def close(self) -> None:

@@ -95,7 +95,7 @@ class Sequence:
     # proposed deterministically); then the request's totals, as vLLM reports them.
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
-    spec: "SpecCounts" = field(default_factory=lambda: SpecCounts())
+    spec: SpecCounts = field(default_factory=SpecCounts)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -75,7 +75,8 @@ class DraftModelProposer:
         # cut can leave the verified sequence no longer than what the shadow computed.)
         match = min(match, len(seq) - 1)
         shadow.seq.num_computed_tokens = match
-        shadow.seq.token_ids = list(seq.token_ids)
+        del tokens[match:]  # only the new tail is copied, not the whole sequence
+        tokens += seq.token_ids[match:]
         shadow.synced = len(seq)
         self.blocks.free_unused(shadow.seq, match)
         return shadow
@@ -83,7 +84,6 @@ class DraftModelProposer:
     def propose(self, seqs: list[Sequence], ks: list[int], step: StepOutput) -> None:
         shadows, live, todo = [], [], []
         for seq, k in zip(seqs, ks, strict=True):
-            seq.clear_drafts()
             shadow = self._sync(seq).seq
             # Room for the new tokens and k - 1 drafts fed back (the k-th is never fed).
             new = len(seq) - shadow.num_computed_tokens + k - 1

@@ -63,13 +63,13 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int], step: StepOutput) -> None:
         items, owners = [], []
-        drafting = {s.seq_id for s in seqs}
+        wanted = {s.seq_id for s in seqs}
         offset = 0
         for (seq, n), start in zip(step.batch, step.starts, strict=True):
             computed = seq.num_computed_tokens - start  # fed and kept (drafts may be rejected)
             live = not seq.is_finished and seq.block_table and seq.seq_id not in self.gapped
             if live and seq.num_computed_tokens == len(seq) - 1:
-                idle = 0 if seq.seq_id in drafting else self.idle.get(seq.seq_id, 0) + 1
+                idle = 0 if seq.seq_id in wanted else self.idle.get(seq.seq_id, 0) + 1
                 self.idle[seq.seq_id] = idle
                 if idle > IDLE_STEPS_KEPT:  # decoding without drafts: no catch-up from now on
                     self.gapped.add(seq.seq_id)
@@ -84,9 +84,9 @@ class MTPProposer:
         if not items:
             return
         outputs = self._forward(items)
-        last = {seq.seq_id: out[-1:] for seq, out in zip(owners, outputs, strict=True)}
-        drafting = [(s, k) for s, k in zip(seqs, ks, strict=True) if s.seq_id in last]
-        hidden = {s.seq_id: last[s.seq_id] for s, _ in drafting}
+        # The output at each sequence's last computed position predicts its first draft.
+        hidden = {seq.seq_id: out[-1:] for seq, out in zip(owners, outputs, strict=True)}
+        drafting = [(s, k) for s, k in zip(seqs, ks, strict=True) if s.seq_id in hidden]
         probs: dict[int, list[torch.Tensor | None]] = {s.seq_id: [] for s, _ in drafting}
         for depth in range(max((k for _, k in drafting), default=0)):
             if depth:  # chain: position N + depth - 1 needs a block
