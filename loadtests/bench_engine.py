@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from serving.checkpoint import load_checkpoint
-from serving.engine import EngineConfig, LLMEngine
-from serving.sampling_params import SamplingParams
+from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model.checkpoint import load_checkpoint
+from serving.model.sampling import SamplingParams
 from training.init_checkpoint import read_shape, stdlib_corpus
 from training.tokenizer import save_tokenizer, train_tokenizer
 

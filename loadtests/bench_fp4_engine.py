@@ -17,10 +17,9 @@ from pathlib import Path
 import torch
 from bench_engine import build_checkpoint, make_prompts
 
-from serving.checkpoint import load_checkpoint
-from serving.engine import EngineConfig, LLMEngine
-from serving.quantization import quantize_checkpoint
-from serving.sampling_params import SamplingParams
+from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model.checkpoint import load_checkpoint, quantize_checkpoint
+from serving.model.sampling import SamplingParams
 
 VARIANTS = {  # name: (format, all_linear), None for the unquantized checkpoint
     "fp32": None,

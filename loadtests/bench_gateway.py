@@ -40,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.features import route_request
 from router.heuristic import HeuristicPolicy
-from serving.upstream import free_port
+from serving.gateway.upstream import free_port
 
 WORDS = "the quick brown fox jumps over a lazy dog while counting 17 * 23 apples".split()  # noqa: SIM905
 

@@ -7,7 +7,7 @@ cache), the effective weight bandwidth of torch's matrix products at 1, 4 and 16
 to a plain streaming read of the same bytes, which is the ceiling, for the two layouts of a
 weight W [out, in]: as stored (`F.linear` multiplies by a transposed operand) and packed
 (the same matrix laid out transposed in memory, so the product reads it row by row; what
-`serving.model.pack_for_inference` does).
+`serving.model.causal_lm.pack_for_inference` does).
 
     python loadtests/bench_gemm.py
 """

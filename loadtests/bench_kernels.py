@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from kernels.formats import FP4Tensor, block_scale_values, quantize_mxfp4, quantize_nvfp4
 from kernels.fp4 import decode_e2m1, unpack_fp4
 from kernels.reference import fp4_moe, silu_and_mul
-from serving.moe import grouped_experts, route
+from serving.model.moe import grouped_experts, route
 
 EXPERTS, HIDDEN, INTER, TOP_K, LAYERS = 16, 256, 384, 2, 8
 QUANTIZE = {"mxfp4": quantize_mxfp4, "nvfp4": quantize_nvfp4}

@@ -21,20 +21,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from serving.engine import EngineConfig, LLMEngine
-from serving.model_runner import TokenSpan
-from serving.sampling_params import SamplingParams
-from serving.tokenizer import Tokenizer
+from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model.paged import TokenSpan
+from serving.model.sampling import SamplingParams
+from serving.model.tokenizer import Tokenizer
 from speculative.config import SpeculativeConfig
-from training.eval import DOMAINS, load_domain
-from training.seeds import EVAL_SEED_BASE
+from training.tasks import DOMAINS
+from training.tasks.seeds import EVAL_SEED_BASE
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
 
 def task_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
     """n held-out tasks, domains and difficulties 1-3 in turn, as chat prompts."""
-    domains = [load_domain(name) for name in DOMAINS]
+    domains = list(DOMAINS.values())
     prompts = []
     for i in range(n):
         task = domains[i % len(domains)].generate(EVAL_SEED_BASE + i, 1 + i // len(domains) % 3)

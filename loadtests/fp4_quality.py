@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from bench_engine import build_checkpoint
 from bench_fp4_engine import variant_checkpoints
 
-from serving.checkpoint import load_checkpoint
+from serving.model.checkpoint import load_checkpoint
 
 
 @torch.inference_mode()

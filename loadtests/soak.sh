@@ -13,7 +13,7 @@ STAGE=${STAGE:-60}
 SLO_TTFT_MS=${SLO_TTFT_MS:-10000}
 mkdir -p "$OUT"
 if [ -z "${URL:-}" ]; then
-    PORT=$(python -c "from serving.upstream import free_port; print(free_port())")
+    PORT=$(python -c "from serving.gateway.upstream import free_port; print(free_port())")
     URL="http://127.0.0.1:$PORT"
     tierserve serve --port "$PORT" ${CONFIG:+--config "$CONFIG"} >"$OUT/serve.log" 2>&1 &
     SERVER=$!

@@ -8,21 +8,19 @@ prompt the first time), then k - 1 decode steps give the rest; every step batche
 sequences being drafted.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from serving.block_manager import BlockManager
-from serving.checkpoint import load_checkpoint
-from serving.model_runner import ModelRunner, StepOutput, TokenSpan
-from serving.sampling_params import SamplingParams
-from serving.sequence import Sequence
+from serving.model.checkpoint import load_checkpoint
+from serving.model.paged import PagedModel, TokenSpan
+from speculative.proposer import BlockAllocator, DraftSequence, TargetStep
 from speculative.verify import draw, processed_probs
 
 
 def propose_tokens(
-    logits: torch.Tensor, seqs: list[Sequence]
+    logits: torch.Tensor, seqs: list[DraftSequence]
 ) -> tuple[list[int], list[torch.Tensor | None]]:
     """One draft token per row, greedy or drawn from the row's processed distribution
     (whose row is returned, the q of rejection sampling)."""
@@ -39,52 +37,55 @@ def propose_tokens(
     return tokens, probs
 
 
-_GREEDY = SamplingParams(temperature=0.0)
-
-
 @dataclass
 class _Shadow:
-    seq: Sequence  # the draft model's copy: its tokens, computed prefix and blocks
+    """The draft model's copy of a sequence: its tokens, computed prefix and blocks."""
+
+    seq_id: int
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
     synced: int = 0  # its first `synced` tokens are known to equal the real sequence's
 
 
 class DraftModelProposer:
-    def __init__(self, path: Path, num_target_blocks: int, block_size: int, vocab: int) -> None:
+    def __init__(self, path: Path, blocks: BlockAllocator, vocab: int) -> None:
+        """`blocks`: the draft model's own, as many as the target's (a shadow never holds
+        more tokens than its sequence), without prefix caching."""
         model = load_checkpoint(path)
         if model.config.vocab_size > vocab or model.config.num_experts:
             raise ValueError(f"{path}: a draft model must be dense and share the tokenizer")
-        # As many blocks as the target: a shadow never holds more tokens than its sequence.
-        self.runner = ModelRunner(model, num_target_blocks, block_size, [])
-        self.blocks = BlockManager(num_target_blocks, block_size, enable_prefix_caching=False)
+        self.runner = PagedModel(model, blocks.num_blocks, blocks.block_size)
+        self.blocks = blocks
         self.vocab = vocab
         self.max_len = model.config.max_position_embeddings
         self.shadows: dict[int, _Shadow] = {}
 
-    def _sync(self, seq: Sequence) -> _Shadow:
+    def _sync(self, seq: DraftSequence) -> _Shadow:
         """The shadow cut back to its common prefix with `seq`: only tokens fed since the
         last sync (drafts) can differ."""
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None:
-            shadow = self.shadows[seq.seq_id] = _Shadow(Sequence(seq.request_id, [], _GREEDY))
-        tokens = shadow.seq.token_ids
+            shadow = self.shadows[seq.seq_id] = _Shadow(seq.seq_id)
+        tokens = shadow.token_ids
         match = shadow.synced
-        end = min(shadow.seq.num_computed_tokens, len(seq))
+        end = min(shadow.num_computed_tokens, len(seq))
         while match < end and tokens[match] == seq.token_ids[match]:
             match += 1
         # At least the last token is fed again: its logits give the first draft. (A budget
         # cut can leave the verified sequence no longer than what the shadow computed.)
         match = min(match, len(seq) - 1)
-        shadow.seq.num_computed_tokens = match
+        shadow.num_computed_tokens = match
         del tokens[match:]  # only the new tail is copied, not the whole sequence
         tokens += seq.token_ids[match:]
         shadow.synced = len(seq)
-        self.blocks.free_unused(shadow.seq, match)
+        self.blocks.free_unused(shadow, match)
         return shadow
 
-    def propose(self, seqs: list[Sequence], ks: list[int], step: StepOutput) -> None:
+    def propose(self, seqs: list[DraftSequence], ks: list[int], step: TargetStep) -> None:
         shadows, live, todo = [], [], []
         for seq, k in zip(seqs, ks, strict=True):
-            shadow = self._sync(seq).seq
+            shadow = self._sync(seq)
             # Room for the new tokens and k - 1 drafts fed back (the k-th is never fed).
             new = len(seq) - shadow.num_computed_tokens + k - 1
             if len(seq) + k <= self.max_len and self.blocks.allocate_slots(shadow, new):
@@ -116,10 +117,10 @@ class DraftModelProposer:
             if qs[0] is not None:
                 seq.draft_probs = torch.stack(qs)
 
-    def pause(self, step: StepOutput) -> None:
+    def pause(self, step: TargetStep) -> None:
         pass
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: DraftSequence) -> None:
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:
-            self.blocks.free_sequence(shadow.seq)
+            self.blocks.free_sequence(shadow)

@@ -22,11 +22,10 @@ only lower acceptance, never change outputs.
 
 import torch
 
-from serving.block_manager import BlockManager
-from serving.model import CausalLM
-from serving.model_runner import ModelRunner, StepOutput, TokenSpan
-from serving.sequence import Sequence
+from serving.model.causal_lm import CausalLM
+from serving.model.paged import PagedModel, TokenSpan
 from speculative.draft_model import propose_tokens
+from speculative.proposer import BlockAllocator, DraftSequence, TargetStep
 
 # A sequence decoding without drafts keeps its MTP context this many steps (the speculator
 # probes again after 8), then gives it up to save the catch-up.
@@ -34,7 +33,7 @@ IDLE_STEPS_KEPT = 8
 
 
 class MTPProposer:
-    def __init__(self, runner: ModelRunner, blocks: BlockManager, vocab: int) -> None:
+    def __init__(self, runner: PagedModel, blocks: BlockAllocator, vocab: int) -> None:
         model: CausalLM = runner.model
         if not model.mtp:
             raise ValueError("method 'mtp' needs a checkpoint with MTP weights (tierserve_mtp)")
@@ -61,7 +60,7 @@ class MTPProposer:
         return result
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int], step: StepOutput) -> None:
+    def propose(self, seqs: list[DraftSequence], ks: list[int], step: TargetStep) -> None:
         items, owners = [], []
         wanted = {s.seq_id for s in seqs}
         offset = 0
@@ -122,9 +121,9 @@ class MTPProposer:
             if qs and qs[0] is not None:
                 s.draft_probs = torch.stack(qs)
 
-    def pause(self, step: StepOutput) -> None:
+    def pause(self, step: TargetStep) -> None:
         self.gapped.update(seq.seq_id for seq, _ in step.batch)
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: DraftSequence) -> None:
         self.gapped.discard(seq.seq_id)
         self.idle.pop(seq.seq_id, None)

@@ -8,8 +8,7 @@ operands) get long drafts for free; elsewhere it proposes nothing and costs a lo
 
 import torch
 
-from serving.model_runner import StepOutput
-from serving.sequence import Sequence
+from speculative.proposer import DraftSequence, TargetStep
 
 
 def ngram_lookup(tokens: torch.Tensor, k: int, min_n: int, max_n: int) -> list[int]:
@@ -30,15 +29,15 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, seqs: list[Sequence], ks: list[int], step: StepOutput) -> None:
+    def propose(self, seqs: list[DraftSequence], ks: list[int], step: TargetStep) -> None:
         for seq, k in zip(seqs, ks, strict=True):
             seq.draft_token_ids = ngram_lookup(
                 torch.tensor(seq.token_ids), k, self.min_n, self.max_n
             )
             seq.draft_probs = None
 
-    def pause(self, step: StepOutput) -> None:
+    def pause(self, step: TargetStep) -> None:
         pass
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: DraftSequence) -> None:
         pass

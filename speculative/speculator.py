@@ -19,13 +19,9 @@ from typing import Protocol
 
 import torch
 
-from serving.block_manager import BlockManager
-from serving.model_runner import ModelRunner, StepOutput
-from serving.sequence import Sequence, SpecCounts
 from speculative.config import SpeculativeConfig
-from speculative.draft_model import DraftModelProposer
-from speculative.mtp import MTPProposer
-from speculative.ngram import NgramProposer
+from speculative.counts import SpecCounts
+from speculative.proposer import DraftSequence, Proposer, TargetStep
 
 
 @dataclass(frozen=True)
@@ -46,16 +42,16 @@ _DECAY = 0.8
 _PRIOR = (3.0, 1.0)  # (accepted, rejected) before any evidence: a = 0.75, worth a try
 
 
-class Proposer(Protocol):
-    """A drafter. `propose` sets `draft_token_ids` (and `draft_probs` when it samples) of
-    each sequence for up to its k tokens, after a step whose output it may read; `pause`
-    replaces it in steps without speculation; `release` forgets a finished sequence."""
+class SpeculatedSequence(DraftSequence, Protocol):
+    """What the speculator reads of a running sequence besides what drafters do."""
 
-    def propose(self, seqs: list[Sequence], ks: list[int], step: StepOutput) -> None: ...
+    constraint: object | None  # a constrained (JSON, tool call) sequence decodes alone
+    spec: SpecCounts  # the request's totals
 
-    def pause(self, step: StepOutput) -> None: ...
+    @property
+    def num_output_tokens(self) -> int: ...
 
-    def release(self, seq: Sequence) -> None: ...
+    def clear_drafts(self) -> None: ...
 
 
 @dataclass
@@ -90,7 +86,7 @@ class Speculator:
         self.acceptance: dict[int, _Acceptance] = {}
 
     @staticmethod
-    def speculable(seq: Sequence) -> bool:
+    def speculable(seq: SpeculatedSequence) -> bool:
         """Requests whose next-token distribution depends on more than the model and the
         sampling filters (penalties, EOS masked by min_tokens, constrained JSON) are
         decoded one token at a time."""
@@ -101,7 +97,7 @@ class Speculator:
             and seq.num_output_tokens >= p.min_tokens
         )
 
-    def lookahead(self, seq: Sequence) -> int:
+    def lookahead(self, seq: SpeculatedSequence) -> int:
         state = self.acceptance.setdefault(seq.seq_id, _Acceptance())
         k = best_lookahead(state.rate, self.cost, self.config.num_speculative_tokens)
         if k == 0:
@@ -111,7 +107,7 @@ class Speculator:
         left = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq))
         return max(0, min(k, left))
 
-    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+    def record(self, seq: SpeculatedSequence, num_drafts: int, num_accepted: int) -> None:
         seq.spec.add(num_drafts, num_accepted)
         self.stats.add(num_drafts, num_accepted)
         state = self.acceptance.setdefault(seq.seq_id, _Acceptance())
@@ -119,7 +115,7 @@ class Speculator:
         state.rejected = _DECAY * state.rejected + (num_accepted < num_drafts)
 
     @torch.inference_mode()
-    def propose(self, step: StepOutput, running: list[Sequence]) -> None:
+    def propose(self, step: TargetStep, running: list[SpeculatedSequence]) -> None:
         """Drafts for the next step of every running sequence that will decode."""
         for seq in running:
             seq.clear_drafts()
@@ -135,20 +131,6 @@ class Speculator:
                     ks.append(k)
         self.proposer.propose(seqs, ks, step)
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: SpeculatedSequence) -> None:
         self.acceptance.pop(seq.seq_id, None)
         self.proposer.release(seq)
-
-
-def make_speculator(
-    config: SpeculativeConfig, runner: ModelRunner, blocks: BlockManager, max_model_len: int
-) -> Speculator:
-    """The configured drafter, wired to the target's runner and blocks."""
-    vocab = runner.model.config.vocab_size
-    if config.method == "ngram":
-        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    elif config.method == "mtp":
-        proposer = MTPProposer(runner, blocks, vocab)
-    else:
-        proposer = DraftModelProposer(config.model, blocks.num_blocks, blocks.block_size, vocab)
-    return Speculator(config, proposer, max_model_len)

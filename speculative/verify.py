@@ -16,9 +16,7 @@ p without x.
 
 import torch
 
-from serving.sampler import filter_logits
-from serving.sampling_params import SamplingParams
-from serving.sequence import TokenLogprob
+from serving.model.sampling import SamplingParams, TokenLogprob, filter_logits
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

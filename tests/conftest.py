@@ -1,10 +1,8 @@
 """Shared pytest fixtures."""
 
 import random
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -40,21 +38,3 @@ def random_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from training.init_checkpoint import init_checkpoint  # only the tests that need it load it
 
     return init_checkpoint(tmp_path_factory.mktemp("checkpoint") / "tiny-moe")
-
-
-@pytest.fixture
-def tiers() -> dict:
-    """Scripted tiers for the in-process gateway (tests/gateway_fixtures.py)."""
-    from gateway_fixtures import MODELS, ScriptedTier
-
-    return {tier: ScriptedTier(tier) for tier in MODELS}
-
-
-@pytest.fixture
-async def client(tiers: dict) -> AsyncIterator[httpx.AsyncClient]:
-    """A client of the gateway app over the scripted tiers."""
-    from gateway_fixtures import make_app
-
-    app = make_app(tiers)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
-        yield c

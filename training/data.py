@@ -2,15 +2,15 @@
 
 Everything streams (generators, one task at a time) and is deterministic: the same domain,
 difficulty and seed range always give the same data. Seeds come from the training space
-(`training.seeds`), so no example can coincide with a held-out evaluation task.
+(`training.tasks.seeds`), so no example can coincide with a held-out evaluation task.
 """
 
 import copy
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from training.domains.base import Domain, Style, Task
-from training.seeds import train_seed
+from training.tasks.base import Domain, Style, Task
+from training.tasks.seeds import train_seed
 
 
 def tasks(domain: Domain, seeds: Iterable[int], difficulties: Iterable[int]) -> Iterator[Task]:

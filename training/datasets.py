@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from serving.tokenizer import Tokenizer
+from serving.model.tokenizer import Tokenizer
 from training.config import DataConfig
 from training.data import pretrain_documents, sft_examples
-from training.domains.base import Style
-from training.eval import load_domain
+from training.tasks import get_domain
+from training.tasks.base import Style
 from training.tokenizer import PAD_TOKEN
 
 IGNORE = -100  # label of positions that carry no loss
@@ -59,7 +59,7 @@ def draw_tasks(data: DataConfig) -> Iterator[tuple[str, int, int]]:
 
 
 def chat_examples(data: DataConfig, style: Style) -> Iterator[dict]:
-    domains = {name: load_domain(name) for name in data.mix}
+    domains = {name: get_domain(name) for name in data.mix}
     for name, seed, difficulty in draw_tasks(data):
         yield next(sft_examples(domains[name], [seed], [difficulty], style))
 
@@ -100,7 +100,7 @@ def build_sft(
 
 def pretrain_text(data: DataConfig) -> Iterator[str]:
     """Documents without chat markup, half of them in each style."""
-    domains = {name: load_domain(name) for name in data.mix}
+    domains = {name: get_domain(name) for name in data.mix}
     for i, (name, seed, difficulty) in enumerate(draw_tasks(data)):
         style = "think" if random.Random(f"style:{data.seed}:{i}").random() < 0.5 else "short"
         yield next(pretrain_documents(domains[name], [seed], [difficulty], style))

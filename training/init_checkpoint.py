@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from serving.checkpoint import save_checkpoint
-from serving.config import ModelConfig
-from serving.model import CausalLM
+from serving.model.causal_lm import CausalLM
+from serving.model.checkpoint import save_checkpoint
+from serving.model.config import ModelConfig
 from training.tokenizer import EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_tokenizer
 
 # A ~5M-parameter Qwen3-MoE: small enough to answer instantly on a laptop CPU.

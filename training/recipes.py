@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from serving.checkpoint import load_checkpoint
-from serving.tokenizer import Tokenizer
-from training import eval as harness
+from serving.model.checkpoint import load_checkpoint
+from serving.model.tokenizer import Tokenizer
 from training.config import DataConfig, load_stage_config
 from training.datasets import IGNORE, SFTDataset, build_sft, chat_examples
 from training.stages import run_stage
+from training.tasks import harness
 from training.tokenizer import PAD_TOKEN, save_tokenizer, train_tokenizer
 
 RECIPES = resources.files("training") / "recipes"

@@ -13,11 +13,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from serving.checkpoint import load_checkpoint, save_checkpoint
-from serving.config import ModelConfig
-from serving.model import CausalLM
-from serving.tokenizer import Tokenizer
-from training import eval as harness
+from serving.model.causal_lm import CausalLM
+from serving.model.checkpoint import load_checkpoint, save_checkpoint
+from serving.model.config import ModelConfig
+from serving.model.tokenizer import Tokenizer
 from training.config import ConfigError, StageConfig, TrainConfig
 from training.datasets import (
     IGNORE,
@@ -34,6 +33,7 @@ from training.losses import (
     shift_labels,
     token_loss_sum,
 )
+from training.tasks import harness
 from training.tokenizer import EOS_TOKEN, PAD_TOKEN
 from training.trainer import EvalFn, LossFn, LossParts, Trainer, init_distributed
 
@@ -107,7 +107,7 @@ def export(model: CausalLM, out: Path, tokenizer_dir: Path, dtype: torch.dtype) 
 def harness_eval(
     out_dir: Path, tokenizer_dir: Path, cfg: TrainConfig, domains: list[str]
 ) -> EvalFn:
-    """Held-out completion rate per domain through the #3 harness and our engine, with the
+    """Held-out completion rate per domain through the eval harness (training/tasks) and our engine, with the
     markdown table written to `OUT/eval-step-N.md`."""
 
     def evaluate(model: CausalLM, step: int) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 The pipeline (NFC, Qwen2's split regex, byte-level with no prefix space, ByteLevel decoder) is
 the one transformers' `Qwen2Tokenizer` builds, so transformers, vLLM and our own
-`serving.tokenizer.Tokenizer` all tokenize a saved checkpoint identically.
+`serving.model.tokenizer.Tokenizer` all tokenize a saved checkpoint identically.
 """
 
 import json
@@ -13,6 +13,8 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.trainers import BpeTrainer
 
+from serving.model.chat_format import MARKUP
+
 # Qwen2/Qwen3's pre-tokenizer regex: digits split one by one, which helps arithmetic.
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -22,18 +24,11 @@ SPLIT_PATTERN = (
 # Control tokens: skipped by `decode(skip_special_tokens=True)`.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Markup the parsers read back from decoded text, so (as in Qwen3) not special.
-MARKUP_TOKENS = [
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-]
+MARKUP_TOKENS = list(MARKUP)
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 MODEL_MAX_LENGTH = 32768
-CHAT_TEMPLATE = resources.files("serving") / "chat_template.jinja"
+CHAT_TEMPLATE = resources.files("serving.model") / "chat_template.jinja"
 
 
 def _empty_tokenizer() -> Tokenizer:

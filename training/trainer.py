@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from serving.model import CausalLM
+from serving.model.causal_lm import CausalLM
 from training import checkpointing
 from training.config import TrainConfig
 from training.curves import plot_curves

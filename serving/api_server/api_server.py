@@ -1,0 +1,150 @@
+"""The tier server: one engine behind the OpenAI API (as vLLM serves it), plus health,
+tokenizer and Prometheus endpoints.
+
+Every error is OpenAI-shaped JSON; bad input is a 4xx, never a 500 or a stack trace.
+"""
+
+import logging
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from serving.api_server.auth import APIKeyAuth
+from serving.api_server.metrics import ServerMetrics
+from serving.api_server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from serving.api_server.serving_chat import chat_router
+from serving.api_server.serving_completion import completions_router
+from serving.api_server.serving_engine import APIError, OpenAIServing
+from serving.engine.async_engine import AsyncEngine
+from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A readable message (and the offending parameter) from FastAPI's validation errors,
+    without echoing the input back."""
+    errors = exc.errors()
+    parts, params = [], []
+    for error in errors[:5]:
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        if error.get("type") == "json_invalid":
+            detail = (error.get("ctx") or {}).get("error", "")
+            return f"The request body is not valid JSON: {detail}", None
+        if not loc and error.get("type") in ("model_attributes_type", "dict_type", "missing"):
+            return "The request body must be a JSON object (Content-Type: application/json).", None
+        params.append(".".join(loc))
+        parts.append(f"{params[-1]}: {error.get('msg')}" if loc else str(error.get("msg")))
+    more = f" (and {len(errors) - 5} more errors)" if len(errors) > 5 else ""
+    return "; ".join(parts) + more, (params[0] or None) if params else None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return APIError(500, "Internal server error.", type="server_error").response()
+
+
+def build_app(
+    engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, api_key: str | None = None
+) -> FastAPI:
+    """The app over a running engine; the caller owns the engine (and stops it)."""
+    serving = OpenAIServing(engine, tokenizer, model_name, ServerMetrics(engine.engine, model_name))
+    app = FastAPI(title="tierserve", summary=f"OpenAI-compatible server for {model_name}")
+    if api_key:
+        app.add_middleware(APIKeyAuth, api_keys=[api_key])
+    install_error_handlers(app)
+    app.include_router(chat_router(serving))
+    app.include_router(completions_router(serving))
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        card = ModelCard(id=model_name, max_model_len=serving.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not engine.healthy:
+            raise APIError(503, "The engine is not running.", type="server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        serving.check_model(body.model)
+        text = body.prompt
+        if text is None:
+            text = serving.render_chat(
+                body.messages or [],
+                body.tools,
+                body.add_generation_prompt,
+                body.chat_template_kwargs,
+            )
+        tokens = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        response = TokenizeResponse(
+            count=len(tokens), max_model_len=serving.max_model_len, tokens=tokens
+        )
+        return JSONResponse(response.model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        serving.check_model(body.model)
+        if any(t >= tokenizer.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size})", param="tokens")
+        return JSONResponse(
+            DetokenizeResponse(
+                prompt=tokenizer.decode(body.tokens, skip_special_tokens=False)
+            ).model_dump()
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(
+    model_dir: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    api_key: str | None = None,
+    engine_config: EngineConfig | None = None,
+    model_name: str | None = None,
+) -> None:
+    """Load a checkpoint and serve it until interrupted; the model is named after its
+    directory unless `model_name` says otherwise."""
+    engine = LLMEngine.from_checkpoint(model_dir, engine_config)
+    assert engine.tokenizer is not None  # from_checkpoint always loads one
+    aengine = AsyncEngine(engine)
+    name = model_name or Path(model_dir).resolve().name
+    try:
+        uvicorn.run(build_app(aengine, engine.tokenizer, name, api_key), host=host, port=port)
+    finally:
+        aengine.stop()

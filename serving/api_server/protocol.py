@@ -1,0 +1,418 @@
+"""The OpenAI API as vLLM accepts it: request validation and response shapes.
+
+Unknown request fields are ignored (as OpenAI does), so clients written for newer API
+versions still work. Unsupported features that would change the answer (`logit_bias`,
+`suffix`, `best_of`) are rejected rather than silently dropped.
+"""
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
+
+from serving.model.sampling import SamplingParams
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, Field(ge=0)]
+StopString = Annotated[str, Field(min_length=1)]
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+Content = str | list[TextPart]
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class TextMessage(BaseModel):
+    role: Literal["system", "developer", "user"]  # developer: OpenAI's new name for system
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: Content | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    name: str | None = None
+
+
+class ToolMessage(BaseModel):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+ChatMessage = Annotated[TextMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object"]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by the chat and completions APIs (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1, le=16)] = 1
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
+    user: str | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Probability | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> "SamplingRequest":
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+    def _sampling_params(
+        self, max_tokens: int, logprobs: int | None, **extra: Any
+    ) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            seed=self.seed,
+            logprobs=logprobs,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=min(self.min_tokens, max_tokens),
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            skip_special_tokens=self.skip_special_tokens,
+            **extra,
+        )
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # vLLM's chat extras: variables for the template (e.g. enable_thinking=False).
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice!r} requires tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {tool.function.name for tool in self.tools or []}:
+                raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        return self
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        json_object = (
+            self.response_format is not None and self.response_format.type == "json_object"
+        )
+        # "required" and a named function force one call, by constrained decoding.
+        tool_names = None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tool_names = [self.tool_choice.function.name]
+        elif self.tool_choice == "required":
+            tool_names = [tool.function.name for tool in self.tools or []]
+        return self._sampling_params(
+            max_tokens, logprobs, json_object=json_object, tool_names=tool_names
+        )
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: (
+        Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+        | str
+        | Annotated[list[str], Field(min_length=1)]
+    )
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's completions default
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> "CompletionRequest":
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported unless it equals n")
+        return self
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        # echo returns the prompt too, so its logprobs as well.
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(
+            self.max_tokens or default_max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs
+        )
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a plain prompt, or messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Default as vLLM: True for a prompt; False for messages, whose template adds its own.
+    add_special_tokens: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.add_special_tokens is None:
+            self.add_special_tokens = self.prompt is not None
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class SpecDecodeMetrics(BaseModel):
+    """One request's speculative decoding, as vLLM reports it per request."""
+
+    num_spec_tokens: int  # the configured most drafts per step
+    num_spec_steps: int  # steps that verified drafts
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    draft_acceptance_rate: float  # accepted / drafted
+    mean_acceptance_length: float  # tokens per verification step, the bonus token included
+    acceptance_histogram: list[int]  # steps by number of drafts accepted
+
+
+class ResponseMetrics(BaseModel):
+    speculative_decoding: SpecDecodeMetrics
+
+
+class _Response(BaseModel):
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    # vLLM's per-request metrics beside `usage`; only from a tier that speculates.
+    metrics: ResponseMetrics | None = None
+
+    @model_serializer(mode="wrap")
+    def _metrics_last(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """`metrics` after `usage`, as vLLM writes it, and only when there are some."""
+        data = handler(self)
+        metrics = data.pop("metrics", None)
+        if metrics is not None:
+            data["metrics"] = metrics
+        return data
+
+
+class _Choice(BaseModel):
+    index: int
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or token id that matched
+
+
+class ChatCompletionChoice(_Choice):
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatCompletionStreamChoice(_Choice):
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None  # only in the final chunk, with include_usage
+
+
+class CompletionChoice(_Choice):
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionChunk(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tierserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

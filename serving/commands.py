@@ -1,0 +1,170 @@
+"""Serving's subcommands: the gateway (`serve`, `loadtest`), one tier (`engine`), offline
+generation (`generate`) and FP4 conversion (`quantize`)."""
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine
+from serving.gateway.config import GatewayConfigError
+from serving.gateway.loadtest import LoadTestError, add_loadtest
+from serving.model.config import CheckpointError
+from serving.model.sampling import SamplingParams
+from serving.model.tokenizer import TokenizerError
+from speculative.config import SpeculativeConfig
+
+USER_ERRORS = (CheckpointError, TokenizerError, EngineInputError, GatewayConfigError, LoadTestError)
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.model_validate_json(text)
+    except ValidationError as e:
+        raise argparse.ArgumentTypeError(_first_error(e)) from None
+
+
+def _first_error(e: ValidationError) -> str:
+    error = e.errors()[0]
+    where = ".".join(map(str, error["loc"]))
+    return f"{where}: {error['msg']}" if where else error["msg"]
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        speculative=args.speculative_config,
+    )
+    if args.kv_cache_memory is not None:
+        config.kv_cache_bytes = args.kv_cache_memory << 20
+    return config
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    parser.add_argument("--model", required=True, type=Path, help="checkpoint directory")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        metavar="MIB",
+        help=f"KV cache budget in MiB (default {defaults.kv_cache_bytes >> 20})",
+    )
+    parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    parser.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        metavar="JSON",
+        help='speculative decoding, as vLLM: \'{"method": "mtp"|"ngram"|"draft", '
+        '"model": DRAFT_DIR, "num_speculative_tokens": 4}\'',
+    )
+
+
+def run_engine(args: argparse.Namespace) -> None:
+    from serving.api_server.api_server import serve  # FastAPI and uvicorn only when serving
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        engine_config=_engine_config(args),
+        model_name=args.served_model_name,
+    )
+
+
+def add_engine(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("engine", help="serve one checkpoint with the OpenAI API")
+    _add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TIERSERVE_API_KEY"),
+        help="require this bearer key (default: $TIERSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--served-model-name", help="the model name clients use (default: the directory's)"
+    )
+    parser.set_defaults(run=run_engine)
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    engine = LLMEngine.from_checkpoint(args.model, _engine_config(args))
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None  # from_checkpoint always loads one
+    prompt = args.prompt
+    if args.chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    [[output]] = engine.generate([tokenizer.encode(prompt)], params)
+    print(output.text)
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("generate", help="complete one prompt offline and print it")
+    _add_engine_args(parser)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--chat", action="store_true", help="render the chat template first")
+    parser.add_argument("prompt")
+    parser.set_defaults(run=run_generate)
+
+
+def run_quantize(args: argparse.Namespace) -> None:
+    from serving.model.checkpoint import quantize_checkpoint
+
+    quantize_checkpoint(args.model, args.out, args.format, args.all_linear)
+    print(args.out)
+
+
+def add_quantize(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "quantize", help="write an FP4 copy of a checkpoint (compressed-tensors layout)"
+    )
+    parser.add_argument("--model", required=True, type=Path, help="checkpoint directory")
+    parser.add_argument("--format", required=True, choices=["mxfp4", "nvfp4"])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument(
+        "--all-linear",
+        action="store_true",
+        help="also the attention and dense MLP projections (default: expert weights only)",
+    )
+    parser.set_defaults(run=run_quantize)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    from serving.gateway.app import serve_gateway
+    from serving.gateway.config import check_checkpoints, load_config
+
+    config = load_config(args.config)
+    updates = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    config = config.model_validate(config.model_dump() | updates)
+    check_checkpoints(config)
+    if not config.json_logs:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call
+    serve_gateway(config)
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "serve", help="serve the gateway over both tiers (starting embedded tiers)"
+    )
+    parser.add_argument("--config", type=Path, help="YAML or JSON (default: the shipped tiers)")
+    parser.add_argument("--host", help="overrides the config's host (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="overrides the config's port (default 8000)")
+    parser.set_defaults(run=run_serve)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    for add in (add_serve, add_engine, add_generate, add_quantize, add_loadtest):
+        add(sub)

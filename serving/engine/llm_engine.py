@@ -1,0 +1,353 @@
+"""The engine: requests in, token and text deltas out, one scheduled step at a time."""
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from serving.engine.block_manager import BlockManager
+from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.json_constraint import JsonObjectConstraint, json_vocabulary
+from serving.engine.model_runner import ModelRunner, SampledTokens
+from serving.engine.scheduler import Scheduler
+from serving.engine.sequence import Sequence
+from serving.engine.tool_constraint import ToolCallConstraint
+from serving.model.causal_lm import CausalLM
+from serving.model.checkpoint import load_checkpoint
+from serving.model.paged import kv_bytes_per_block
+from serving.model.sampling import SamplingParams, TokenLogprob
+from serving.model.tokenizer import Tokenizer
+from speculative.config import SpeculativeConfig
+from speculative.counts import SpecCounts
+from speculative.draft_model import DraftModelProposer
+from speculative.mtp import MTPProposer
+from speculative.ngram import NgramProposer
+from speculative.proposer import Proposer
+from speculative.speculator import Speculator
+
+
+class EngineInputError(ValueError):
+    """A request the engine cannot run as given (the server answers 400)."""
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_bytes: int = 256 << 20
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A prompt and its parameters that `LLMEngine.validate` accepted. API edges validate
+    once and pass this inward; nothing further in checks it again."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class SequenceOutput:
+    """What one of a request's n sequences produced: a delta per step, or accumulated."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    def extend(self, delta: "SequenceOutput") -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[SequenceOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the request's first output
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    spec: SpecCounts | None = None  # speculative decoding over its sequences, when finished
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer | None]
+    sent_first: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+        eos_token_ids: list[int] | None = None,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(
+            eos_token_ids
+            if eos_token_ids is not None
+            else (tokenizer.eos_token_ids if tokenizer else [])
+        )
+        dtype = model.embed_tokens.weight.dtype
+        num_blocks = config.kv_cache_bytes // kv_bytes_per_block(
+            model.config, config.block_size, dtype
+        )
+        if num_blocks < 1:
+            raise ValueError("kv_cache_bytes is too small for one block")
+        self.max_model_len = min(
+            config.max_model_len or model.config.max_position_embeddings,
+            model.config.max_position_embeddings,
+            num_blocks * config.block_size,
+        )
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, sorted(self.eos_token_ids))
+        self.requests: dict[str, _Request] = {}
+        self.speculator = (
+            Speculator(config.speculative, self._proposer(config.speculative), self.max_model_len)
+            if config.speculative
+            else None
+        )
+
+    def _proposer(self, config: SpeculativeConfig) -> Proposer:
+        """The configured drafter, wired to the target's runner and blocks."""
+        vocab = self.runner.model.config.vocab_size
+        if config.method == "ngram":
+            return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        if config.method == "mtp":
+            return MTPProposer(self.runner, self.blocks, vocab)
+        # The draft model's own blocks, as many as the target's: a shadow of a sequence
+        # never holds more tokens than the sequence.
+        blocks = BlockManager(self.blocks.num_blocks, self.blocks.block_size, False)
+        return DraftModelProposer(config.model, blocks, vocab)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
+        return cls(load_checkpoint(path), config, Tokenizer.from_dir(path))
+
+    # -- requests -------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
+        """What this engine can run, given its vocabulary, context length and tokenizer;
+        raises EngineInputError with a message meant for the client."""
+        if not prompt_token_ids:
+            raise EngineInputError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise EngineInputError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise EngineInputError(f"stop_token_ids must be in [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise EngineInputError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({len(prompt_token_ids)} in the messages, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion."
+            )
+        if params.max_tokens < 1 or params.n < 1:
+            raise EngineInputError("max_tokens and n must be at least 1")
+        if params.json_object and params.tool_names is not None:
+            raise EngineInputError("json_object and a forced tool call cannot be combined")
+        if params.tool_names is not None and not params.tool_names:
+            raise EngineInputError("a forced tool call needs at least one function name")
+        constrained = params.json_object or params.tool_names is not None
+        if constrained and (self.tokenizer is None or not self.eos_token_ids):
+            raise EngineInputError("constrained decoding needs a tokenizer with an EOS token")
+        return EngineRequest(list(prompt_token_ids), params)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """The offline entry (`generate`, benchmarks): validates, then enqueues."""
+        self.enqueue(request_id, self.validate(prompt_token_ids, params))
+
+    def enqueue(self, request_id: str, request: EngineRequest) -> None:
+        if request_id in self.requests:
+            raise EngineInputError(f"request id {request_id!r} is already running")
+        prompt_token_ids, params = request.prompt_token_ids, request.params
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seq = Sequence(request_id, list(prompt_token_ids), params, index=i)
+            seq.prefill_leader = seqs[0] if seqs else None
+            if params.json_object:
+                vocab = json_vocabulary(self.tokenizer.raw)
+                seq.constraint = JsonObjectConstraint(vocab, self.eos_token_ids)
+            elif params.tool_names is not None:
+                vocab = json_vocabulary(self.tokenizer.raw)
+                seq.constraint = ToolCallConstraint(vocab, self.eos_token_ids, params.tool_names)
+            seqs.append(seq)
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer.raw, prompt_token_ids, params)
+            if self.tokenizer
+            else None
+            for _ in seqs
+        ]
+        self.requests[request_id] = _Request(request_id, seqs, detoks)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self._finish(seq)
+        return True
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.speculator:
+            self.speculator.release(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        start = time.monotonic()
+        for seq, _ in plan.scheduled:
+            seq.scheduled_time = seq.scheduled_time or start  # queue time ends here
+        step = self.runner.run(plan.scheduled)
+        now = time.monotonic()
+        verified = {s.seq.seq_id for s in step.sampled if s.num_draft_tokens}
+        for seq, n in plan.scheduled:
+            if seq.seq_id not in verified:
+                seq.num_computed_tokens += n
+                self.blocks.register_computed(seq)
+        deltas: dict[str, list[SequenceOutput]] = {}
+        for s in step.sampled:
+            deltas.setdefault(s.seq.request_id, []).append(self._commit(s, now))
+        if self.speculator:
+            self.speculator.propose(step, self.scheduler.running)
+        outputs = []
+        for request_id, outs in deltas.items():
+            req = self.requests[request_id]
+            out = self._request_output(req, outs)
+            if out.finished:
+                del self.requests[request_id]
+            outputs.append(out)
+        return outputs
+
+    def _commit(self, s: SampledTokens, now: float) -> SequenceOutput:
+        """Append what a sequence got this step: one token, or the drafts the target kept
+        and one more, each exactly as if decoded alone (stops, max_tokens, streaming)."""
+        seq = s.seq
+        if not s.num_draft_tokens:
+            return self._append(seq, s.token_ids[0], s.logprobs[0] if s.logprobs else None, now)
+        self.speculator.record(seq, s.num_draft_tokens, len(s.token_ids) - 1)
+        delta = SequenceOutput(seq.index)
+        for i, token in enumerate(s.token_ids):
+            seq.num_computed_tokens += 1  # the token before this one is now in the cache
+            self.blocks.register_computed(seq)
+            delta.extend(self._append(seq, token, s.logprobs[i] if s.logprobs else None, now))
+            if seq.is_finished:
+                return delta
+        self.blocks.free_unused(seq, seq.num_computed_tokens)  # rejected drafts' blocks
+        return delta
+
+    def _append(
+        self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float
+    ) -> SequenceOutput:
+        seq.token_ids.append(token)
+        seq.first_token_time = seq.first_token_time or now
+        seq.last_token_time = now
+        req = self.requests[seq.request_id]
+        detok = req.detokenizers[seq.index]
+        p = seq.params
+        delta = SequenceOutput(seq.index, token_ids=[token], logprobs=[logprob] if logprob else [])
+        may_stop = seq.num_output_tokens >= p.min_tokens
+        if seq.constraint is not None:
+            seq.constraint.advance(token)
+        # A closed JSON object allows only EOS, which ends it despite ignore_eos or min_tokens.
+        json_done = seq.constraint is not None and seq.constraint.complete
+        if token in self.eos_token_ids and (json_done or (may_stop and not p.ignore_eos)):
+            delta.finish_reason = "stop"
+        elif may_stop and token in p.stop_token_ids:
+            delta.finish_reason, delta.stop_reason = "stop", token
+        if detok is not None and (delta.finish_reason is None or p.include_stop_str_in_output):
+            delta.text = detok.add([token])
+            if detok.stop_reason is not None and delta.finish_reason is None:
+                delta.finish_reason, delta.stop_reason = "stop", detok.stop_reason
+        if delta.finish_reason is None and (
+            seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len
+        ):
+            delta.finish_reason = "length"
+        if delta.finish_reason is not None:
+            if detok is not None and detok.stop_reason is None:
+                delta.text += detok.flush()
+            seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
+            self._finish(seq)
+        return delta
+
+    def _request_output(self, req: _Request, outs: list[SequenceOutput]) -> RequestOutput:
+        first = req.seqs[0]
+        out = RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outs,
+            finished=req.finished,
+            num_cached_tokens=first.num_cached_tokens,
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.scheduled_time,
+            first_token_time=first.first_token_time,
+        )
+        if self.speculator and out.finished:
+            out.spec = SpecCounts()
+            for seq in req.seqs:
+                out.spec.merge(seq.spec)
+        if not req.sent_first:
+            req.sent_first = True
+            if first.params.prompt_logprobs is not None:
+                out.prompt_logprobs = first.prompt_logprobs
+        return out
+
+    # -- offline use ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[SequenceOutput]]:
+        """Run prompts to completion; per prompt, its n accumulated outputs."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{id(self)}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        results = {
+            rid: [SequenceOutput(j) for j in range(p.n)] for rid, p in zip(ids, plist, strict=True)
+        }
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        while self.has_unfinished():
+            for out in self.step():
+                for delta in out.outputs:
+                    results[out.request_id][delta.index].extend(delta)
+        return [results[rid] for rid in ids]

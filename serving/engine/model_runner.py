@@ -1,0 +1,131 @@
+"""Runs one scheduled step: the sequences' spans through the paged model, then a token
+for each sequence that reaches its end (sampled, or drafts verified), and prompt logprobs.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from serving.engine.sampler import Sampler, SamplingRow
+from serving.engine.sequence import Sequence
+from serving.model.causal_lm import CausalLM
+from serving.model.paged import PagedModel, TokenSpan
+from serving.model.sampling import TokenLogprob
+from speculative.verify import token_logprobs, verify_drafts
+
+
+@dataclass
+class SampledTokens:
+    """What a sequence got this step: one token, or accepted drafts and one more."""
+
+    seq: Sequence
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]  # empty unless the request asked for them
+    num_draft_tokens: int = 0  # drafts verified this step (0: a plain decode or prefill)
+
+
+@dataclass
+class StepOutput:
+    sampled: list[SampledTokens]
+    hidden: torch.Tensor  # [tokens, hidden] final hidden states, in `batch` order
+    batch: list[tuple[Sequence, int]]  # (sequence, tokens fed), decodes first
+    starts: list[int]  # position of each sequence's first token fed
+
+
+class ModelRunner(PagedModel):
+    """Runs one scheduled step: the forward pass, then sampling, draft verification and
+    prompt logprobs for each sequence that reaches its end."""
+
+    def __init__(
+        self, model: CausalLM, num_blocks: int, block_size: int, eos_token_ids: list[int]
+    ) -> None:
+        super().__init__(model, num_blocks, block_size)
+        self.sampler = Sampler(model.config.vocab_size, eos_token_ids)
+
+    @torch.inference_mode()
+    def run(self, batch: list[tuple[Sequence, int]]) -> StepOutput:
+        """One forward over the batch; samples (or verifies drafts) for each sequence that
+        reaches its end. A sequence with drafts feeds its last token and the drafts."""
+        batch = sorted(batch, key=lambda item: item[1] != 1)  # stable: decodes first
+        spans = [_span(seq, n) for seq, n in batch]
+        hidden = self.forward(spans)
+        rows, last, verify = [], [], []
+        offset = 0
+        for seq, n in batch:
+            if (
+                seq.params.prompt_logprobs is not None
+                and seq.num_computed_tokens < seq.num_prompt_tokens
+            ):
+                self._prompt_logprobs(seq, hidden[offset : offset + n], n)
+            if seq.num_computed_tokens + n == len(seq) + len(seq.draft_token_ids):
+                if seq.draft_token_ids:
+                    verify.append((seq, hidden[offset : offset + n]))
+                else:
+                    rows.append(seq)
+                    last.append(offset + n - 1)
+            offset += n
+        sampled = self._sample(rows, hidden[torch.tensor(last)]) if rows else []
+        sampled += [self._verify(seq, h) for seq, h in verify]
+        return StepOutput(sampled, hidden, batch, [s.start for s in spans])
+
+    def _sample(self, rows: list[Sequence], hidden: torch.Tensor) -> list[SampledTokens]:
+        logits = self.model.compute_logits(hidden)
+        result = self.sampler(
+            logits,
+            [
+                SamplingRow(
+                    s.params, s.prompt_token_ids, s.output_token_ids, s.generator, s.constraint
+                )
+                for s in rows
+            ],
+        )
+        out = []
+        for i, seq in enumerate(rows):
+            token, lp, top = result.token_ids[i], result.logprobs[i], result.top_logprobs[i]
+            lps = [TokenLogprob(token, lp, top)] if lp is not None else []
+            out.append(SampledTokens(seq, [token], lps))
+        return out
+
+    def _verify(self, seq: Sequence, hidden: torch.Tensor) -> SampledTokens:
+        """The target's logits at the last token and every draft decide what is kept."""
+        logits = self.model.compute_logits(hidden)[:, : self.sampler.vocab_size]
+        drafts = seq.draft_token_ids
+        tokens = verify_drafts(logits, drafts, seq.draft_probs, seq.params, seq.generator)
+        lps = []
+        if seq.params.logprobs is not None:
+            lps = token_logprobs(logits[: len(tokens)], tokens, seq.params.logprobs)
+        return SampledTokens(seq, tokens, lps, num_draft_tokens=len(drafts))
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, n: int) -> None:
+        """Logprob of each prompt token given the ones before it (first token: None).
+
+        Position p predicts token p + 1; tokens already scored (before a preemption) are skipped.
+        """
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(None)
+        start = seq.num_computed_tokens
+        lo = max(start + 1, len(seq.prompt_logprobs))
+        hi = min(start + n + 1, seq.num_prompt_tokens)
+        if hi <= lo:
+            return
+        logprobs = self.model.compute_logits(hidden[lo - 1 - start : hi - 1 - start]).log_softmax(
+            -1
+        )
+        targets = torch.tensor(seq.token_ids[lo:hi])
+        chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
+        k = seq.params.prompt_logprobs
+        top = logprobs.topk(k, dim=-1) if k else None
+        for i, (tok, lp) in enumerate(zip(targets.tolist(), chosen, strict=True)):
+            pairs = None
+            if top is not None:
+                pairs = list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
+            seq.prompt_logprobs.append(TokenLogprob(tok, lp, pairs))
+
+
+def _span(seq: Sequence, n: int) -> TokenSpan:
+    """The next n tokens a sequence feeds: the rest of its tokens, then its drafts."""
+    p = seq.num_computed_tokens
+    tokens = seq.token_ids[p : p + n]
+    if len(tokens) < n:
+        tokens = tokens + seq.draft_token_ids[: n - len(tokens)]
+    return TokenSpan(seq.block_table, p, tokens)

@@ -1,0 +1,264 @@
+"""Turns a batch of logits into next tokens, with vLLM's sampling semantics."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from serving.engine.json_constraint import JsonObjectConstraint
+from serving.model.sampling import SamplingParams, filter_logits, per_row
+
+# Greedy rows in a mixed batch go through the sampling ops with filters off; their
+# sampled token is then replaced by the argmax.
+_NEUTRAL = SamplingParams()
+# Tokens a constrained row tries, best first, before it masks the whole vocabulary.
+_REJECTION_TRIES = 8
+
+
+@dataclass
+class SamplingRow:
+    """One row of the batch: one sequence being decoded."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far, before this step
+    generator: torch.Generator | None = None  # set when params.seed is not None
+    constraint: JsonObjectConstraint | None = None  # the tokens it may take (json_object)
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]  # one per row
+    logprobs: list[float | None]  # chosen token's logprob; None where params.logprobs is None
+    top_logprobs: list[list[tuple[int, float]] | None]  # (id, logprob), best first; None if k=0
+
+
+class Sampler:
+    """Samples one token per row of a [B, V] logits batch.
+
+    Order, as in vLLM: penalties, min_tokens, then greedy rows take the argmax and the
+    others go through temperature, min_p, top_k, top_p (on the top-k renormalised
+    distribution) and a draw. min_p comes before top_k/top_p as in vLLM V1; since it
+    thresholds a ratio to the top probability, only its interplay with top_p depends on it.
+    `ignore_eos` is the engine's business (it just doesn't stop on EOS): like vLLM,
+    min_tokens still masks EOS. Logprobs are those of the raw model distribution, vLLM V1's
+    default. Columns past `vocab_size` (padded embeddings) are never sampled.
+
+    The draw is one batched exponential race (see `_race`). A seeded row draws from its own
+    generator (on the logits' device), so its tokens do not depend on what else is in the
+    batch. When every sampled row has a top_k, sampling runs on the top max(top_k) columns
+    only: a CPU full-vocabulary sort costs ~40x a top-k.
+
+    A row with a constraint draws from its distribution restricted to the tokens the
+    constraint allows, as if they had been masked before sampling (vLLM's structured
+    outputs): see `_constrained_draw`. Rows without one cost an attribute check.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        if logits.shape[1] != self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        n = len(rows)
+        constrained = [i for i, row in enumerate(rows) if row.constraint is not None]
+        if all(_plain_greedy(row) for row in rows):  # the hot path: one argmax, one sync
+            token_ids = logits.argmax(dim=-1).tolist()
+            rejected = [i for i in constrained if not rows[i].constraint.allows(token_ids[i])]
+            if rejected:
+                raw = logits[rejected].float()
+                _apply_constraints(token_ids, raw, raw, rows, rejected)
+            return SampleResult(token_ids, [None] * n, [None] * n)
+        raw = logits.float()
+        processed = raw.clone()
+        apply_penalties(processed, rows)
+        self._apply_min_tokens(processed, rows)
+        if not constrained:
+            return _result(raw, _sample(processed, rows), rows)
+        kept = processed[constrained]  # a copy: _sample works in place
+        token_ids = _sample(processed, rows).tolist()
+        _apply_constraints(token_ids, kept, raw[constrained], rows, constrained)
+        return _result(raw, torch.tensor(token_ids, device=raw.device), rows)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Masks EOS and stop_token_ids of rows that have not produced min_tokens yet."""
+        row_idx: list[int] = []
+        col_idx: list[int] = []
+        for i, row in enumerate(rows):
+            if len(row.output_token_ids) < row.params.min_tokens:
+                banned = [*self.eos_token_ids, *row.params.stop_token_ids]
+                row_idx += [i] * len(banned)
+                col_idx += banned
+        if row_idx:
+            logits[row_idx, col_idx] = -math.inf
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Applies repetition, frequency and presence penalties in place, batched over the rows
+    that use any.
+
+    Repetition (HF/vLLM): logits of tokens seen in prompt or output are divided by the
+    penalty if positive, multiplied if not. Frequency and presence (OpenAI): subtract
+    `frequency * count + presence * (count > 0)` over the output tokens only.
+    """
+    idx = [i for i, row in enumerate(rows) if row.params.uses_penalties]
+    if not idx:
+        return
+    picked = [rows[i] for i in idx]
+    counts = _count_rows([row.output_token_ids for row in picked], logits)
+    in_output = counts > 0
+    seen = (_count_rows([row.prompt_token_ids for row in picked], logits) > 0) | in_output
+    repetition = per_row([row.params.repetition_penalty for row in picked], logits)
+    frequency = per_row([row.params.frequency_penalty for row in picked], logits)
+    presence = per_row([row.params.presence_penalty for row in picked], logits)
+    x = logits[idx]
+    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    logits[idx] = x - frequency * counts - presence * in_output
+
+
+def _count_rows(seqs: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
+    """Per-row token counts [len(seqs), V]; pads with V into a spare column that is dropped."""
+    vocab = logits.shape[1]
+    width = max(1, *map(len, seqs))
+    ids = torch.tensor([s + [vocab] * (width - len(s)) for s in seqs], device=logits.device)
+    counts = torch.zeros(len(seqs), vocab + 1, dtype=logits.dtype, device=logits.device)
+    return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))[:, :vocab]
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    p = row.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.uses_penalties
+        and len(row.output_token_ids) >= p.min_tokens
+    )
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Token ids [B] from processed logits (modified in place)."""
+    greedy = [row.params.greedy for row in rows]
+    greedy_ids = logits.argmax(dim=-1)
+    if all(greedy):
+        return greedy_ids
+    vocab = logits.shape[1]
+    params = [_NEUTRAL if g else row.params for g, row in zip(greedy, rows, strict=True)]
+    logits.div_(per_row([p.temperature for p in params], logits))
+    candidates = None
+    top_ks = [row.params.top_k for row, g in zip(rows, greedy, strict=True) if not g]
+    if min(top_ks) > 0:  # no sampled row looks past the max(top_k) best: drop the other columns
+        logits, candidates = logits.topk(min(max(top_ks), vocab), dim=-1)
+    logits = filter_logits(logits, params)
+    sampled = _race(logits, rows, greedy, candidates, vocab)
+    return torch.where(torch.tensor(greedy, device=logits.device), greedy_ids, sampled)
+
+
+def _apply_constraints(
+    token_ids: list[int],
+    processed: torch.Tensor,
+    raw: torch.Tensor,
+    rows: list[SamplingRow],
+    constrained: list[int],
+) -> None:
+    """Replaces, in place, the drawn tokens of constrained rows their constraint rejects.
+
+    `raw` and `processed` hold the constrained rows' logits before and after penalties and
+    min_tokens (before temperature), in the order of `constrained`.
+    """
+    for j, i in enumerate(constrained):
+        row = rows[i]
+        if not (_rejection_exact(row.params) and row.constraint.allows(token_ids[i])):
+            token_ids[i] = _constrained_draw(processed[j], raw[j], row)
+
+
+def _rejection_exact(params: SamplingParams) -> bool:
+    """Whether rejecting disallowed draws samples exactly what masking them first would:
+    true for greedy rows and plain temperature sampling. top_k, top_p and min_p would pick
+    their tokens from the whole distribution where vLLM filters the masked one, so rows that
+    use them are masked at once.
+    """
+    return params.greedy or (params.top_k <= 0 and params.top_p >= 1 and params.min_p <= 0)
+
+
+def _constrained_draw(processed: torch.Tensor, raw: torch.Tensor, row: SamplingRow) -> int:
+    """A token drawn from the row's distribution restricted to what its constraint allows.
+
+    Where rejection is exact, the row races again (fresh noise; a seeded row draws it from
+    its generator) and its best-scoring allowed token wins: the argmax over a subset of a
+    race like `_race`'s is a draw from the distribution restricted to that subset, so a
+    rejected first draw followed by this is exact rejection sampling. The _REJECTION_TRIES
+    best scores are checked one by one (greedy: the next best logits); a model that writes
+    JSON rarely needs more. Only then, or for rows with filters, does one walk of the
+    vocabulary find every allowed token. If min_tokens masked all of them (EOS, once the
+    object has closed) the constraint wins: they are drawn from the raw logits.
+    """
+    constraint = row.constraint
+    exact = _rejection_exact(row.params)
+    if exact:
+        scores = _race_scores(processed, row)
+        for token in scores.topk(_REJECTION_TRIES).indices.tolist():
+            if constraint.allows(token):
+                return token
+    allowed = constraint.allowed_mask(processed.shape[0]).to(processed.device)
+    masked = processed.masked_fill(~allowed, -math.inf)
+    if not masked.isfinite().any():
+        masked, exact = raw.masked_fill(~allowed, -math.inf), False
+    if exact:
+        return int(scores.masked_fill(~allowed, -math.inf).argmax())
+    return int(_sample(masked.unsqueeze(0), [row])[0])
+
+
+def _race_scores(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """One row's scores in a race like `_race`'s, logits / T - log q: its draw is their
+    argmax. Greedy rows race on the logits alone."""
+    if row.params.greedy:
+        return logits
+    u = torch.empty_like(logits).uniform_(generator=row.generator)
+    return logits / row.params.temperature - u.log_().neg_().log_()
+
+
+def _race(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    greedy: list[bool],
+    candidates: torch.Tensor | None,
+    vocab: int,
+) -> torch.Tensor:
+    """One batched draw: argmax(p / q), q ~ Exp(1), picks token i with probability p_i.
+
+    Done in log space, argmax(logit - log q), so no softmax is needed; q = -log(u) because
+    uniform_ is ~4x faster than exponential_ on CPU. A seeded row draws u over the whole
+    vocabulary from its own generator, indexed by token id, so its draw does not depend on
+    the batch (nor on the `candidates` columns, the top-k the batch was cut to).
+    """
+    u = torch.empty_like(logits).uniform_()
+    for i, row in enumerate(rows):
+        if row.generator is not None and not greedy[i]:
+            draw = torch.empty(vocab, device=logits.device).uniform_(generator=row.generator)
+            u[i] = draw if candidates is None else draw[candidates[i]]
+    sampled = logits.sub_(u.log_().neg_().log_()).argmax(dim=-1)
+    if candidates is None:
+        return sampled
+    return candidates.gather(1, sampled.unsqueeze(1)).squeeze(1)
+
+
+def _result(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    """Packs token ids with the requested logprobs of the raw distribution."""
+    n = len(rows)
+    wanted = [row.params.logprobs for row in rows]
+    if all(w is None for w in wanted):
+        return SampleResult(token_ids.tolist(), [None] * n, [None] * n)
+    logprobs = raw.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    k = min(max(w or 0 for w in wanted), logprobs.shape[1])
+    top = logprobs.topk(k, dim=-1)  # sorted, best first
+    top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+    return SampleResult(
+        token_ids=token_ids.tolist(),
+        logprobs=[c if w is not None else None for c, w in zip(chosen, wanted, strict=True)],
+        top_logprobs=[
+            list(zip(top_ids[i][:w], top_vals[i][:w], strict=True)) if w else None
+            for i, w in enumerate(wanted)
+        ],
+    )

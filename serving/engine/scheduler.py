@@ -1,0 +1,108 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every sequence simply has tokens still to compute: a whole prompt, the rest of a prompt
+(chunked prefill), or the one token sampled last step (decode), followed by its
+speculative drafts if it has any (cut first when the budget runs short). Running
+sequences are served first, oldest first, within a per-step token budget; waiting ones are
+admitted in arrival order while budget, sequence slots and cache blocks last. When the
+cache runs out the newest running sequence is preempted: its blocks are freed and it is
+recomputed later (its full blocks usually survive in the prefix cache, which makes that
+cheap).
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from serving.engine.block_manager import BlockManager
+from serving.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            uncomputed = len(seq) - seq.num_computed_tokens
+            n = min(uncomputed + len(seq.draft_token_ids), budget)
+            if n - uncomputed < len(seq.draft_token_ids):  # the budget cuts into the drafts
+                seq.draft_token_ids = seq.draft_token_ids[: max(0, n - uncomputed)]
+                if seq.draft_probs is not None:
+                    seq.draft_probs = seq.draft_probs[: len(seq.draft_token_ids)]
+            while not self.blocks.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        blocked: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            leader = seq.prefill_leader
+            if leader is not None and not leader.is_finished and not leader.prompt_done:
+                blocked.append(seq)  # wait to share the leader's prompt blocks
+                continue
+            seq.prefill_leader = None
+            if not seq.block_table:
+                self.blocks.match_prefix(seq)
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            if not self.blocks.allocate_slots(seq, n):
+                self.blocks.free_sequence(seq)
+                self.waiting.appendleft(seq)
+                break
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        self.waiting.extendleft(reversed(blocked))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free_sequence(seq)
+        seq.clear_drafts()
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire a sequence (finished or aborted) wherever it is."""
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_sequence(seq)

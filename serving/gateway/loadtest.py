@@ -1,0 +1,330 @@
+"""`tierserve loadtest`: Locust, headless, against a gateway, with a report and SLO checks.
+
+Locust runs as its own process (`python -m locust`, which patches the standard library with
+gevent, so it stays out of this one) on `serving/gateway/locustfile.py` and writes its CSVs; this
+command reads them back into a report (a Markdown table and plots of throughput and TTFT
+percentiles per tier over time) and exits 1 when an SLO is missed. With no --url it starts
+`tierserve serve` and stops it afterwards. `--ramp` runs stages at rising user counts and
+reports the saturation point; `--max-rss-growth` and `--check-kv-empty` watch the gateway
+and tier processes through the run (the soak, `loadtests/soak.sh`).
+"""
+
+import argparse
+import csv
+import json
+import math
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving.gateway.upstream import free_port
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")  # package data, found in a wheel too
+TIERS = ("full", "highspeed")
+KV_BLOCKS_METRIC = "tierserve_kv_cache_used_blocks"
+
+
+class LoadTestError(RuntimeError):
+    """The server could not be started or reached, or Locust failed to run."""
+
+
+@dataclass
+class Summary:
+    users: int
+    duration_s: float
+    requests: int
+    failures: int
+    requests_per_s: float
+    ttft_ms: dict[str, dict[str, float]]  # tier -> {"p50", "p99"}
+    requests_by_tier: dict[str, int]
+    errors: dict[str, int]  # error message -> occurrences
+    resources: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def error_rate(self) -> float:
+        return self.failures / self.requests if self.requests else 0.0
+
+
+def _tier_of(name: str) -> str:
+    """The tier in a request's name, `chat stream [full]`."""
+    return name.rsplit("[", 1)[-1].rstrip("]") if name.endswith("]") else "none"
+
+
+def read_summary(prefix: Path, users: int, duration_s: float) -> Summary:
+    """The run's figures from Locust's CSVs (`{prefix}_stats.csv`, `_failures.csv`)."""
+    with open(f"{prefix}_stats.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    requests = [r for r in rows if r["Type"] == "POST"]
+    ttft = {
+        r["Name"]: {"p50": float(r["50%"]), "p99": float(r["99%"]), "n": int(r["Request Count"])}
+        for r in rows
+        if r["Type"] == "TTFT" and int(r["Request Count"])
+    }
+    by_tier: dict[str, int] = defaultdict(int)
+    for r in requests:
+        by_tier[_tier_of(r["Name"])] += int(r["Request Count"])
+    with open(f"{prefix}_failures.csv", newline="") as f:
+        errors: dict[str, int] = defaultdict(int)
+        for r in csv.DictReader(f):
+            errors[r["Error"]] += int(r["Occurrences"])
+    total = sum(int(r["Request Count"]) for r in requests)
+    return Summary(
+        users=users,
+        duration_s=duration_s,
+        requests=total,
+        failures=sum(int(r["Failure Count"]) for r in requests),
+        requests_per_s=total / duration_s,
+        ttft_ms=ttft,
+        requests_by_tier=dict(by_tier),
+        errors=dict(errors),
+    )
+
+
+def plot_history(prefix: Path, out: Path) -> None:
+    """Throughput and TTFT p50/p99 per tier over time, from Locust's full history."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+    with open(f"{prefix}_stats_history.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    t0 = min((int(r["Timestamp"]) for r in rows), default=0)
+    for r in rows:
+        t = int(r["Timestamp"]) - t0
+        if r["Type"] == "POST":
+            series[("rps", _tier_of(r["Name"]))].append((t, float(r["Requests/s"])))
+        elif r["Type"] == "TTFT" and r["99%"] != "N/A":
+            series[("p50", r["Name"])].append((t, float(r["50%"])))
+            series[("p99", r["Name"])].append((t, float(r["99%"])))
+    fig, (ax_rps, ax_ttft) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for tier in sorted({tier for (_, tier) in series}):
+        per_second: dict[float, float] = defaultdict(float)
+        for t, value in series[("rps", tier)]:
+            per_second[t] += value  # the request kinds of one tier add up
+        if per_second:
+            ax_rps.plot(*zip(*sorted(per_second.items()), strict=True), label=tier)
+        for q, style in (("p50", "-"), ("p99", "--")):
+            if series[(q, tier)]:
+                ax_ttft.plot(*zip(*series[(q, tier)], strict=True), style, label=f"{tier} {q}")
+    ax_rps.set_ylabel("requests/s")
+    ax_ttft.set_ylabel("TTFT ms")
+    ax_ttft.set_xlabel("seconds")
+    for ax in (ax_rps, ax_ttft):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8)
+    fig.suptitle("tierserve load test: throughput and time to first token per tier")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def check_slos(summary: Summary, ttft_p99_ms: float | None, error_rate: float | None) -> list[str]:
+    """The SLOs missed, each as a sentence."""
+    missed = []
+    if ttft_p99_ms is not None:
+        for tier, q in sorted(summary.ttft_ms.items()):
+            if q["p99"] > ttft_p99_ms:
+                missed.append(f"p99 TTFT on {tier} is {q['p99']:.0f} ms > {ttft_p99_ms:g} ms")
+    if error_rate is not None and summary.error_rate > error_rate:
+        missed.append(f"error rate {summary.error_rate:.2%} > {error_rate:.2%}")
+    return missed
+
+
+def report_markdown(summary: Summary, missed: list[str], plot: str | None) -> str:
+    lines = [
+        f"# Load test: {summary.users} users, {summary.duration_s:g} s",
+        "",
+        f"{summary.requests} requests, {summary.requests_per_s:.2f} requests/s, "
+        f"{summary.failures} failed ({summary.error_rate:.2%})",
+        "",
+        "| tier | requests | streams with a first token | TTFT p50 ms | TTFT p99 ms |",
+        "|---|---|---|---|---|",
+    ]
+    for tier in sorted(set(summary.requests_by_tier) | set(summary.ttft_ms)):
+        q = summary.ttft_ms.get(tier, {})
+        lines.append(
+            f"| {tier} | {summary.requests_by_tier.get(tier, 0)} | {int(q.get('n', 0))} | "
+            f"{q.get('p50', math.nan):.0f} | {q.get('p99', math.nan):.0f} |"
+        )
+    lines += ["", "Errors by type:", ""]
+    lines += [f"- {n} × {error}" for error, n in sorted(summary.errors.items())] or ["- none"]
+    if summary.resources:
+        lines += ["", "Tier resources: `" + json.dumps(summary.resources) + "`"]
+    lines += ["", "SLOs: " + ("; ".join(missed) if missed else "all met")]
+    if plot:
+        lines += ["", f"![throughput and TTFT per tier]({plot})"]
+    return "\n".join(lines) + "\n"
+
+
+def start_server(config: Path | None, log_path: Path, timeout_s: float = 600) -> tuple[
+    subprocess.Popen, str
+]:  # fmt: skip
+    """`tierserve serve` on a free port, once both tiers are healthy."""
+    port = free_port()
+    command = [sys.executable, "-c", "from serving.cli import main; main()", "serve"]
+    command += ["--port", str(port)] + (["--config", str(config)] if config else [])
+    process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).json().get("status") == "ok":
+                return process, url
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    process.terminate()
+    raise LoadTestError(f"tierserve serve did not become healthy; see {log_path}")
+
+
+def server_pids(url: str) -> dict[str, int]:
+    """The gateway's process and its embedded tiers', by name, from its /health."""
+    health = httpx.get(f"{url}/health", timeout=5).json()
+    pids = {tier: info["pid"] for tier, info in health["tiers"].items() if info.get("pid")}
+    return {"gateway": health["pid"]} | pids
+
+
+def kv_blocks_used(url: str) -> dict[str, float]:
+    """Each tier's KV blocks held by live sequences, scraped through the gateway."""
+    used = {}
+    for tier in TIERS:
+        text = httpx.get(f"{url}/metrics/tiers/{tier}", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == KV_BLOCKS_METRIC:
+                    used[tier] = sample.value
+    return used
+
+
+def rss_mib(pids: dict[str, int]) -> dict[str, float]:
+    return {tier: psutil.Process(pid).memory_info().rss / 2**20 for tier, pid in pids.items()}
+
+
+def run_locust(url: str, users: int, spawn_rate: float, duration_s: float, prefix: Path) -> None:
+    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless"]
+    command += ["--host", url, "-u", str(users), "-r", str(spawn_rate)]
+    command += ["-t", f"{int(duration_s)}s", "--stop-timeout", "30", "--exit-code-on-error", "0"]
+    command += ["--csv", str(prefix), "--csv-full-history", "--only-summary", "-L", "WARNING"]
+    with open(f"{prefix}_locust.log", "w") as log:
+        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        raise LoadTestError(f"locust exited with {result.returncode}; see {prefix}_locust.log")
+
+
+def one_run(args: argparse.Namespace, url: str, users: int, prefix: Path) -> Summary:
+    """One Locust run at `users`, with the tier processes watched if asked."""
+    watch = args.max_rss_growth is not None or args.check_kv_empty
+    pids = server_pids(url) if watch else {}
+    before = rss_mib(pids) if args.max_rss_growth is not None else {}
+    run_locust(url, users, args.spawn_rate, args.duration, prefix)
+    summary = read_summary(prefix, users, args.duration)
+    if before:
+        after = rss_mib(pids)
+        summary.resources["rss_mib_start"] = {t: round(v, 1) for t, v in before.items()}
+        summary.resources["rss_mib_end"] = {t: round(v, 1) for t, v in after.items()}
+        summary.resources["rss_growth"] = {t: round(after[t] / before[t] - 1, 4) for t in after}
+        summary.resources["pids_unchanged"] = server_pids(url) == pids
+    if args.check_kv_empty:
+        time.sleep(2)  # aborted streams free their blocks at the engine's next step
+        summary.resources["kv_blocks_used_after"] = kv_blocks_used(url)
+    return summary
+
+
+def resource_failures(summary: Summary, max_rss_growth: float | None, kv: bool) -> list[str]:
+    missed = []
+    growth = summary.resources.get("rss_growth", {})
+    assert isinstance(growth, dict)
+    for tier, g in growth.items():
+        if max_rss_growth is not None and g > max_rss_growth:
+            missed.append(f"{tier} RSS grew {g:.1%} > {max_rss_growth:.0%}")
+    if summary.resources.get("pids_unchanged") is False:
+        missed.append("a process restarted during the run")
+    used = summary.resources.get("kv_blocks_used_after", {})
+    assert isinstance(used, dict)
+    if kv and (set(used) != set(TIERS) or any(used.values())):
+        missed.append(f"KV blocks not back to empty after the run: {used}")
+    return missed
+
+
+def saturation(stages: list[Summary], slo_ttft_p99_ms: float | None) -> tuple[Summary, str]:
+    """The last stage before throughput stops rising (< 5% more requests/s), an SLO is
+    missed or requests fail: the most users the service holds; and what ended the ramp."""
+    best = stages[0]
+    for stage in stages[1:]:
+        if stage.failures:
+            return best, f"requests failed at {stage.users} users"
+        if check_slos(stage, slo_ttft_p99_ms, None):
+            return best, f"the TTFT SLO was missed at {stage.users} users"
+        if stage.requests_per_s < 1.05 * best.requests_per_s:
+            return best, f"throughput stopped rising at {stage.users} users"
+        best = stage
+    return best, "not reached: throughput still rose at the last stage"
+
+
+def run_loadtest(args: argparse.Namespace) -> None:
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    server = None
+    url = args.url
+    if url is None:
+        server, url = start_server(args.config, out / "serve.log")
+    try:
+        if args.ramp:
+            stages = [one_run(args, url, u, out / f"ramp_{u}") for u in args.ramp]
+            summary, why = saturation(stages, args.slo_ttft_p99_ms)
+            (out / "ramp.json").write_text(json.dumps([asdict(s) for s in stages], indent=2))
+            for s in stages:
+                print(f"ramp: {s.users} users: {s.requests_per_s:.2f} req/s, "
+                      f"{s.failures} failed, TTFT {s.ttft_ms}")  # fmt: skip
+            print(f"saturation: {summary.users} users, {summary.requests_per_s:.2f} req/s ({why})")
+            prefix = out / f"ramp_{summary.users}"
+        else:
+            prefix = out / "locust"
+            summary = one_run(args, url, args.users, prefix)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=120)
+    plot_history(prefix, out / "report.png")
+    missed = check_slos(summary, args.slo_ttft_p99_ms, args.slo_error_rate)
+    missed += resource_failures(summary, args.max_rss_growth, args.check_kv_empty)
+    (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
+    report = report_markdown(summary, missed, "report.png")
+    (out / "report.md").write_text(report)
+    print(report, end="")
+    print(f"report, CSVs and plot in {out}")
+    if missed:
+        print("SLO missed: " + "; ".join(missed), file=sys.stderr)
+        sys.exit(1)
+
+
+def add_loadtest(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "loadtest", help="run Locust headless against the gateway; report and check SLOs"
+    )
+    parser.add_argument("--users", type=int, default=8, help="concurrent Locust users")
+    parser.add_argument("--spawn-rate", type=float, default=2.0, help="users started per second")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds (per ramp stage)")
+    parser.add_argument("--url", help="the gateway (default: start `tierserve serve`)")
+    parser.add_argument("--config", type=Path, help="the started server's config")
+    parser.add_argument("--out", type=Path, default=Path("loadtest-report"))
+    parser.add_argument("--slo-ttft-p99-ms", type=float, default=10_000.0)
+    parser.add_argument("--slo-error-rate", type=float, default=0.01)
+    parser.add_argument(
+        "--ramp", type=lambda s: [int(u) for u in s.split(",")], metavar="U1,U2,...",
+        help="stages at these user counts; reports the saturation point",
+    )  # fmt: skip
+    parser.add_argument("--max-rss-growth", type=float, help="e.g. 0.10: tier RSS may grow 10%%")
+    parser.add_argument(
+        "--check-kv-empty", action="store_true", help="tiers' KV blocks must be free afterwards"
+    )
+    parser.set_defaults(run=run_loadtest)

@@ -1,0 +1,127 @@
+"""One tier as the gateway sees it: an OpenAI-compatible server behind a pooled httpx client,
+its health state and how many of the gateway's requests it is serving now."""
+
+import socket
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import httpx
+
+from router.policy import Tier
+from serving.gateway.config import EmbeddedTier, FallbackConfig, RemoteTier
+
+
+class TierState(StrEnum):
+    STARTING = "starting"  # started, not answering /health yet
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"  # running (or remote) but failing its health check
+    RESTARTING = "restarting"  # the process died; waiting out the backoff
+    STOPPED = "stopped"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Upstream:
+    tier: Tier
+    config: EmbeddedTier | RemoteTier
+    server_root: str  # e.g. http://127.0.0.1:8101, where /health lives
+    api_root: str  # e.g. http://127.0.0.1:8101/v1
+    client: httpx.AsyncClient  # health checks, metrics; builds the forwarded requests
+    transport: httpx.AsyncBaseTransport  # the client's connection pool, which sends them
+    state: TierState = TierState.STARTING
+    in_flight: int = 0
+    restarts: int = 0
+    pid: int | None = None
+    last_error: str | None = field(default=None)
+    _urls: dict[str, httpx.URL] = field(default_factory=dict)
+
+    def url(self, address: str) -> httpx.URL:
+        """The parsed URL of an address on this tier (parsing one costs more than sending)."""
+        url = self._urls.get(address)
+        if url is None:
+            url = self._urls[address] = httpx.URL(address)
+        return url
+
+    @property
+    def model(self) -> str:
+        return self.config.model_name
+
+    @property
+    def available(self) -> bool:
+        return self.state == TierState.HEALTHY
+
+    @property
+    def health_url(self) -> str:
+        path = self.config.health_path if isinstance(self.config, RemoteTier) else "/health"
+        return self.server_root + path
+
+    @property
+    def metrics_url(self) -> str:
+        path = self.config.metrics_path if isinstance(self.config, RemoteTier) else "/metrics"
+        return self.server_root + path
+
+    async def probe(self, timeout_s: float) -> bool:
+        """True when the tier answers its health check with a 2xx."""
+        try:
+            response = await self.client.get(self.health_url, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            self.last_error = f"health check: {type(e).__name__}"
+            return False
+        if response.is_success:
+            return True
+        self.last_error = f"health check: HTTP {response.status_code}"
+        return False
+
+    def describe(self) -> dict[str, object]:
+        """The tier's entry in the gateway's /health."""
+        info: dict[str, object] = {
+            "state": str(self.state),
+            "engine": self.config.engine,
+            "model": self.model,
+            "url": self.api_root,
+            "metrics_url": self.metrics_url,
+            "in_flight": self.in_flight,
+        }
+        if isinstance(self.config, EmbeddedTier):
+            info |= {"pid": self.pid, "restarts": self.restarts}
+        if self.last_error and self.state != TierState.HEALTHY:
+            info["last_error"] = self.last_error
+        return info
+
+
+def make_upstream(
+    tier: Tier,
+    config: EmbeddedTier | RemoteTier,
+    fallback: FallbackConfig,
+    max_connections: int,
+    keepalive_s: float,
+) -> Upstream:
+    """The upstream of one configured tier; an embedded tier without a port gets a free one."""
+    if isinstance(config, EmbeddedTier):
+        root = f"http://127.0.0.1:{config.port or free_port()}"
+        api_root, api_key = root + "/v1", config.api_key
+    else:
+        api_root = str(config.base_url).rstrip("/")
+        root, api_key = api_root.removesuffix("/v1"), config.api_key
+    # Uncompressed answers, so streams pass through as the raw bytes they arrive as.
+    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    transport = httpx.AsyncHTTPTransport(
+        limits=httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max_connections,
+            keepalive_expiry=keepalive_s,
+        )
+    )
+    client = httpx.AsyncClient(
+        headers=headers,
+        timeout=httpx.Timeout(fallback.read_timeout_s, connect=fallback.connect_timeout_s),
+        transport=transport,
+    )
+    return Upstream(tier, config, root, api_root, client, transport)

@@ -1,0 +1,265 @@
+"""Qwen3-MoE and Qwen3 (dense) causal LMs in plain PyTorch, for serving and training.
+
+Two ways to call the model:
+- padded batches `[B, L]` with a padding mask and no cache (training, reference tests);
+- flat token batches `[T]` with `AttentionMetadata` over a paged KV cache (the engine),
+  where the cache tensors are attached to each attention module by the model runner.
+
+Weights are held fused (`qkv_proj`, `gate_up_proj`, experts as `[E, ...]`); checkpoint I/O
+maps them to and from the per-projection names of Hugging Face checkpoints.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serving.model.attention import AttentionMetadata, paged_attention, write_kv
+from serving.model.config import ModelConfig
+from serving.model.moe import DenseMLP, SparseMoE
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op: this runs 4 times per layer
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rope":
+        """The cos/sin rows of a step's positions, looked up once for all layers."""
+        flat = positions.flatten()
+        cos = self.cos.index_select(0, flat).view(*positions.shape, 1, -1)
+        sin = self.sin.index_select(0, flat).view(*positions.shape, 1, -1)
+        return Rope(cos.to(dtype), sin.to(dtype))
+
+
+@dataclass
+class Rope:
+    cos: torch.Tensor  # [..., 1, head_dim]
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., heads, head_dim], rotate-half convention."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * self.cos + torch.cat((-x2, x1), dim=-1) * self.sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_cache: torch.Tensor | None = None  # set by the model runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(*lead, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim))
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        q, k = rope.apply(q), rope.apply(k)
+        if meta is None:  # padded batch [B, L, heads, d], no cache
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=True,
+            ).transpose(1, 2)
+        else:
+            write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+            o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(*lead, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = (
+            SparseMoE(config)
+            if config.layer_is_sparse(layer)
+            else DenseMLP(config.hidden_size, config.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata | None,
+        mask: torch.Tensor | None,
+        router_logits: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, meta, mask)
+        x = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, SparseMoE):
+            return h + self.mlp(x, router_logits)
+        return h + self.mlp(x)
+
+
+class MTPLayer(nn.Module):
+    """DeepSeek-V3 multi-token prediction: from the hidden state at t and the embedding of
+    token t+1, predict token t+2 through one more decoder block and the shared head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.enorm = RMSNorm(config.hidden_size, eps)
+        self.hnorm = RMSNorm(config.hidden_size, eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.block = DecoderLayer(config, 0)
+        self.norm = RMSNorm(config.hidden_size, eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        next_embeds: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        h = self.eh_proj(torch.cat([self.hnorm(hidden), self.enorm(next_embeds)], dim=-1))
+        return self.norm(self.block(h, rope, meta, mask, None))
+
+
+class CausalLM(nn.Module):
+    """`Qwen3MoeForCausalLM` (or `Qwen3ForCausalLM` when the config has no experts)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta
+        )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        n_mtp = config.mtp.num_layers if config.mtp else 0
+        self.mtp = nn.ModuleList(MTPLayer(config) for _ in range(n_mtp))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata | None = None,
+        padding_mask: torch.Tensor | None = None,
+        router_logits: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states (normed) for every input token.
+
+        Padded mode: `input_ids`, `positions` `[B, L]`, `padding_mask [B, L]` True on real
+        tokens. Paged mode: `[T]` tokens and `meta`. Router logits of every sparse layer are
+        appended to `router_logits` when a list is given (for the load-balancing loss).
+        """
+        mask = None if meta is not None else causal_mask(input_ids.shape[-1], padding_mask)
+        h = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, rope, meta, mask, router_logits)
+        return self.norm(h)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """transformers' initialisation: normal(0, std) matrices, unit norms."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def mtp_logits(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """Padded mode: MTP depth d's logits at position t predict token t + d + 1.
+
+        Depth d combines the depth d-1 hidden state at t (depth 0: the model's final hidden
+        state) with the embedding of token t + d; positions past the end see token 0 and must
+        be masked by the loss.
+        """
+        mask = causal_mask(input_ids.shape[-1], padding_mask)
+        out, h = [], hidden
+        rope = self.rotary(positions, hidden.dtype)
+        for d, layer in enumerate(self.mtp, start=1):
+            shifted = torch.zeros_like(input_ids)
+            shifted[:, :-d] = input_ids[:, d:]
+            h = layer(h, self.embed_tokens(shifted), rope, None, mask)
+            out.append(self.compute_logits(h))
+        return out
+
+
+def pack_for_inference(model: CausalLM) -> None:
+    """Lay every weight matrix out transposed in memory, logical shapes unchanged.
+
+    `x @ W.t()` then reads `W.t()` as a plain row-major matrix, which CPU BLAS streams
+    1.5-2x faster at decode sizes than a transposed operand (`loadtests/bench_gemm.py`).
+    The embedding keeps its layout (its rows are gathered), and so does a head tied to it.
+    """
+    embed = model.embed_tokens.weight
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.dim() >= 2 and p is not embed:
+                packed = p.detach().transpose(-1, -2).contiguous().transpose(-1, -2)
+                setattr(module, name, nn.Parameter(packed, requires_grad=False))
+
+
+def causal_mask(length: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B or 1, 1, L, L] boolean: causal, and hiding padded keys.
+
+    A fully padded query row would make softmax NaN, so each query may always see itself.
+    """
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    if padding_mask is None:
+        return causal[None, None]
+    mask = causal[None, None] & padding_mask[:, None, None, :].bool()
+    return mask | torch.eye(length, dtype=torch.bool)[None, None]

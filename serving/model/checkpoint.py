@@ -1,0 +1,112 @@
+"""Hugging Face checkpoint directories in and out of our model: `config.json`,
+`model.safetensors` (tensor names in hf_state_dict.py), the tokenizer files and
+`generation_config.json`; FP4 checkpoints in compressed-tensors' layout (quantization.py)
+are loaded into FP4 modules, and `quantize_checkpoint` writes them.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from kernels.formats import FP4Format
+from serving.model import quantization
+from serving.model.causal_lm import CausalLM
+from serving.model.config import CheckpointError, ModelConfig
+from serving.model.hf_state_dict import FP4_PARTS, from_hf_state_dict, to_hf_state_dict
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of `model.safetensors`, or of the shards its index names."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"{index}: malformed index: {e!r}") from e
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path}: no model.safetensors")
+    tensors = {}
+    for f in files:
+        try:
+            with safe_open(path / f, framework="pt") as st:
+                for k in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    tensors[k] = st.get_tensor(k)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path / f}: unreadable safetensors file: {e}") from e
+    return tensors
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    config = ModelConfig.from_file(path / "config.json")
+    with torch.device("meta"):
+        model = CausalLM(config)
+    hf = read_safetensors(path)
+    if config.quantization is not None:
+        fmt = quantization.checkpoint_format(config.quantization)
+        hf = quantization.unpack_state_dict(hf)
+        with torch.device("meta"):
+            quantization.use_quantized_modules(model, hf, fmt)
+    state = from_hf_state_dict(hf, model)
+    # FP4 arrays keep their dtypes (uint8 codes and scales, fp32 row scales).
+    state = {k: v if k.rpartition(".")[2] in FP4_PARTS else v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, assign=True, strict=False)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # Non-persistent buffers (RoPE tables) were created on meta: rebuild them.
+    fresh = type(model.rotary)(config.head_dim, config.max_position_embeddings, config.rope_theta)
+    model.rotary.cos, model.rotary.sin = fresh.cos, fresh.sin
+    return model.eval()
+
+
+def save_checkpoint(
+    model: CausalLM,
+    path: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    generation_config: dict | None = None,
+) -> None:
+    """Write a directory that transformers, vLLM and our loader all read."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(to_hf_state_dict(model), path / "model.safetensors", metadata={"format": "pt"})
+    if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != path.resolve():
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).exists():
+                shutil.copy(Path(tokenizer_dir) / name, path / name)
+    gen = generation_config or {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(model.config, key) is not None:
+            gen.setdefault(key, getattr(model.config, key))
+    (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def quantize_checkpoint(src: Path, out: Path, format: FP4Format, all_linear: bool) -> None:
+    """Post-training quantization of a checkpoint directory into a new one."""
+    model = load_checkpoint(src)
+    if model.config.quantization is not None:
+        raise CheckpointError(f"{src}: already quantized")
+    state = quantization.quantize_state_dict(to_hf_state_dict(model), format, all_linear)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.quantization = quantization.quantization_config(format, all_linear)
+    (out / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        out / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)

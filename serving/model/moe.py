@@ -1,0 +1,118 @@
+"""Sparse MoE MLP of Qwen3-MoE: softmax router, top-k experts, grouped expert compute.
+
+Expert weights are held fused, `gate_up [E, 2I, H]` (gate rows first, then up) and
+`down [E, H, I]`, the layout transformers uses in memory, so expert compute is a
+grouped product over tokens sorted by expert rather than one module per expert.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.modules import QuantizedWeight
+from kernels.ops import fp4_moe_for
+from kernels.reference import silu_and_mul
+from serving.model.config import ModelConfig
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts per token and their weights, softmax in fp32 as transformers does."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) for x [T, H].
+
+    A single token just runs its k experts. Otherwise token slots are sorted by expert and:
+    - in small batches touching most experts (decoding many sequences), all experts run as
+      one batched product over slices padded to the busiest expert: one call that reads
+      every expert's weights once instead of E small calls;
+    - otherwise (prefill, or few experts in use) each used expert runs one product over its
+      exact, contiguous slice, wasting nothing on padding.
+    """
+    if x.shape[0] == 1:
+        y = None
+        for e, w in zip(experts[0].tolist(), weights[0].tolist(), strict=True):
+            o = silu_and_mul(x @ gate_up[e].t()) @ down[e].t() * w
+            y = o if y is None else y + o
+        return y
+    num_experts = gate_up.shape[0]
+    top_k = experts.shape[1]
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    token_of = order // top_k
+    slot_weights = weights.flatten()[order].unsqueeze(-1).to(x.dtype)
+    xs = x.index_select(0, token_of)  # index_select: much cheaper than x[idx] on CPU
+    capacity = int(counts.max())
+    if capacity <= PADDED_CAPACITY and 4 * int(counts.count_nonzero()) >= 3 * num_experts:
+        sorted_experts = flat[order]
+        rank = torch.arange(flat.numel()) - (counts.cumsum(0) - counts)[sorted_experts]
+        slot = sorted_experts * capacity + rank  # row in the [E * capacity] padded layout
+        padded = x.new_zeros(num_experts * capacity, x.shape[-1]).index_copy_(0, slot, xs)
+        h = silu_and_mul(torch.bmm(padded.view(num_experts, capacity, -1), gate_up.transpose(1, 2)))
+        out = torch.bmm(h, down.transpose(1, 2)).flatten(0, 1).index_select(0, slot)
+    else:
+        out = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                seg = slice(start, start + n)
+                out[seg] = silu_and_mul(xs[seg] @ gate_up[e].t()) @ down[e].t()
+                start += n
+    return torch.zeros_like(x).index_add_(0, token_of, out * slot_weights)
+
+
+# Above this many tokens per expert, padding costs more than the per-expert calls it saves.
+PADDED_CAPACITY = 16
+
+
+class SparseMoE(nn.Module):
+    """`gate_up` and `down` are parameters, or `QuantizedWeight`s in an FP4 model."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(h, e, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(
+        self, x: torch.Tensor, router_logits_out: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.gate(x)
+        if router_logits_out is not None:
+            router_logits_out.append(logits)
+        weights, experts = route(logits, self.top_k, self.norm_topk_prob)
+        if isinstance(self.gate_up, QuantizedWeight):
+            moe = fp4_moe_for(x.device)
+            y = moe(x, weights, experts, self.gate_up.tensor, self.down.tensor)
+        else:
+            y = grouped_experts(x, weights, experts, self.gate_up, self.down)
+        return y.view(shape)

@@ -1,0 +1,101 @@
+"""The model over a paged KV cache: one forward pass for a mixed batch of token spans.
+
+Owns the KV cache tensors (one [blocks, block_size, kv_heads, head_dim] pair per layer, MTP
+layers included) and attaches them to the model's attention modules. A span is a sequence's
+tokens at consecutive positions with its block table; decodes (one token) go first and share
+one batched attention call, prefill chunks of different sequences and speculative chunks
+(the last token and its drafts) share the same forward pass. The engine's model runner
+samples from it; a draft model runs on one of its own, and the MTP drafter reuses the
+target's.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from serving.model.attention import SHORT_CHUNK, AttentionMetadata, PrefillChunk, ShortChunks
+from serving.model.causal_lm import CausalLM, pack_for_inference
+from serving.model.config import ModelConfig
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Keys and values of one block in every layer, MTP layers included."""
+    per_token = 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    layers = config.num_hidden_layers + (config.mtp.num_layers if config.mtp else 0)
+    return per_token * block_size * layers
+
+
+@dataclass
+class TokenSpan:
+    """A sequence's tokens in one forward pass: `token_ids` at positions `start`, `start + 1`..."""
+
+    block_table: list[int]
+    start: int
+    token_ids: list[int]
+
+
+class PagedModel:
+    """Takes the model over for inference: its weights are packed (`pack_for_inference`) and
+    frozen, and KV cache tensors are attached to its attention modules (MTP layers too)."""
+
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        cfg = model.config
+        dtype = model.embed_tokens.weight.dtype
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        pack_for_inference(model)
+        blocks = [*model.layers, *(mtp.block for mtp in model.mtp)]
+        for layer in blocks:
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype)
+
+    def prepare(
+        self, spans: list[TokenSpan]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat input ids, positions and attention metadata; single tokens (decodes) first."""
+        bs = self.block_size
+        nd = 0
+        while nd < len(spans) and len(spans[nd].token_ids) == 1:
+            nd += 1
+        ids = [s.token_ids[0] for s in spans[:nd]]
+        positions = [s.start for s in spans[:nd]]
+        decode_slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in spans[:nd]]
+        meta = AttentionMetadata(slot_mapping=torch.tensor(decode_slots, dtype=torch.long))
+        if nd:
+            width = max(len(s.block_table) for s in spans[:nd])
+            meta.num_decodes = nd
+            meta.decode_block_tables = torch.tensor(
+                [s.block_table + [0] * (width - len(s.block_table)) for s in spans[:nd]]
+            )
+            meta.decode_context_lens = torch.tensor(positions) + 1
+        slot_parts = [meta.slot_mapping]
+        short: list[tuple[TokenSpan, int]] = []
+        for s in spans[nd:]:
+            n = len(s.token_ids)
+            table = torch.tensor(s.block_table)
+            if n <= SHORT_CHUNK:
+                short.append((s, len(ids)))
+            else:
+                meta.prefills.append(PrefillChunk(len(ids), n, s.start + n, table))
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.start + n))
+            pos = torch.arange(s.start, s.start + n)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+        if short:
+            meta.short = ShortChunks.build(
+                [s.start for s, _ in short],
+                [len(s.token_ids) for s, _ in short],
+                [offset for _, offset in short],
+                [s.block_table for s, _ in short],
+                bs,
+            )
+        meta.slot_mapping = torch.cat(slot_parts)
+        meta.prepare(bs)
+        return torch.tensor(ids), torch.tensor(positions), meta
+
+    @torch.inference_mode()
+    def forward(self, spans: list[TokenSpan]) -> torch.Tensor:
+        """Final hidden states of every token of the spans (decodes must come first)."""
+        input_ids, positions, meta = self.prepare(spans)
+        return self.model(input_ids, positions, meta)

@@ -1,0 +1,73 @@
+"""Continuous batching changes nothing: batched greedy == alone == transformers."""
+
+import pytest
+import torch
+
+from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model.checkpoint import load_checkpoint
+from serving.model.paged import kv_bytes_per_block
+from serving.model.sampling import SamplingParams
+from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
+
+transformers = pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
+
+
+def _engine(ckpt, **kw) -> LLMEngine:
+    return LLMEngine(load_checkpoint(ckpt), EngineConfig(**kw), eos_token_ids=[])
+
+
+def _tokens(outs):
+    return [o[0].token_ids for o in outs]
+
+
+def test_batched_equals_alone_equals_transformers(ckpt):
+    ps = prompts(8, TINY_MOE["vocab_size"])
+    batched = _tokens(_engine(ckpt).generate(ps, GREEDY))
+    alone = [_tokens(_engine(ckpt).generate([p], GREEDY))[0] for p in ps]
+    assert batched == alone
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    for p, got in zip(ps, batched, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False)
+        ref = ref[0, len(p) :].tolist()  # the checkpoint has no eos: all 40 tokens come
+        assert got == ref
+    assert len(set(map(tuple, batched))) > 1  # the model does not say the same thing to all
+
+
+def test_chunked_prefill_and_preemption_keep_outputs(ckpt):
+    ps = prompts(8, TINY_MOE["vocab_size"], seed=1)
+    ref = _tokens(_engine(ckpt).generate(ps, GREEDY))
+    # A 16-token budget forces chunked prefill; a 32-block cache (128 tokens) forces preemption.
+    block_bytes = kv_bytes_per_block(load_checkpoint(ckpt).config, 4, torch.float32)
+    engine = _engine(ckpt, block_size=4, max_num_batched_tokens=16, kv_cache_bytes=32 * block_bytes)
+    preempted = []
+    orig = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda s: (preempted.append(s.seq_id), orig(s))
+    assert _tokens(engine.generate(ps, GREEDY)) == ref
+    assert preempted, "the small cache should have forced a preemption"
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_prefix_cache_hit_equals_miss(ckpt):
+    engine = _engine(ckpt, block_size=4)
+    shared = prompts(1, TINY_MOE["vocab_size"], seed=2)[0] * 2
+    miss = _tokens(engine.generate([[*shared, 5, 6, 7]], GREEDY))
+    hit_out = engine.generate([[*shared, 5, 6, 7]], GREEDY)
+    assert _tokens(hit_out) == miss
+    cold = _tokens(
+        _engine(ckpt, enable_prefix_caching=False).generate([[*shared, 5, 6, 7]], GREEDY)
+    )
+    assert cold == miss
+    engine.add_request("probe", [*shared, 9], GREEDY)
+    engine.step()
+    seq = engine.requests["probe"].seqs[0]
+    assert seq.num_cached_tokens >= len(shared) // 4 * 4 - 4
+    engine.abort("probe")
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

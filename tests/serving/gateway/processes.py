@@ -1,0 +1,93 @@
+"""A real `tierserve serve` process over two embedded tiers (random-weight checkpoints), for
+the end-to-end and fault tests."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from serving.gateway.upstream import free_port
+
+NAMES = {"full": "tiny-full", "highspeed": "tiny-fast"}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) is gone for our purposes.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"
+
+
+class Gateway:
+    def __init__(self, process: subprocess.Popen, url: str) -> None:
+        self.process = process
+        self.url = url
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
+
+    def wait_healthy(self, timeout_s: float = 120) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.process.poll() is None, "tierserve serve exited"
+            assert time.monotonic() < deadline, "tiers did not become healthy"
+            try:
+                health = self.health()
+                if health["status"] == "ok":
+                    return health
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+
+
+def start_gateway(
+    checkpoint: Path, directory: Path, ports: dict[str, int] | None = None
+) -> Gateway:
+    """`tierserve serve` over two embedded tiers of `checkpoint`, healthy; `ports` may fix
+    the gateway's (`gateway`) and the tiers' ports (by tier), else they are free ones."""
+    ports = ports or {}
+    tier = {"model": str(checkpoint), "max_model_len": 256, "kv_cache_memory_mib": 8}
+    port = ports.get("gateway") or free_port()
+    config = {
+        "port": port,
+        "tiers": {
+            t: tier | {"served_model_name": name, "port": ports.get(t)} for t, name in NAMES.items()
+        },
+        "router": {"policy": "heuristic"},
+        "supervisor": {"health_interval_s": 0.5, "restart_backoff_s": 0.5},
+        "drain_timeout_s": 20,
+    }
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-c", "from serving.cli import main; main()", "serve"]
+    log = (directory / "serve.log").open("w")
+    process = subprocess.Popen([*command, "--config", str(path)], stderr=log, stdout=log)
+    gw = Gateway(process, f"http://127.0.0.1:{port}")
+    gw.wait_healthy()
+    return gw
+
+
+def stop(gw: Gateway, pids: list[int]) -> None:
+    if gw.process.poll() is None:
+        gw.process.terminate()
+        gw.process.wait(timeout=60)
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def child_pids(gw: Gateway) -> list[int]:
+    if gw.process.poll() is not None:
+        return []
+    try:
+        return [t["pid"] for t in gw.health()["tiers"].values()]
+    except httpx.HTTPError:
+        return []

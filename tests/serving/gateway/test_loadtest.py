@@ -1,0 +1,63 @@
+"""`tierserve loadtest` end to end: Locust headless against a gateway that the command starts
+itself (over canned tiers, so it takes seconds), a report with plots, and the exit status
+that says whether the SLOs held."""
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serving.gateway.upstream import free_port
+from tests import REPO
+
+pytestmark = pytest.mark.slow
+CANNED = REPO / "loadtests" / "canned_tier.py"
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A gateway config over two canned tiers (processes, 2 ms per token)."""
+    tiers, processes = {}, []
+    for tier in ("full", "highspeed"):
+        port = free_port()
+        command = [sys.executable, str(CANNED), "--port", str(port), "--token-delay-ms", "2"]
+        processes.append(subprocess.Popen(command))
+        base_url = f"http://127.0.0.1:{port}/v1"
+        tiers[tier] = {"engine": "remote", "base_url": base_url, "model": f"canned-{tier}"}
+    path = tmp_path_factory.mktemp("loadtest") / "gateway.yaml"
+    path.write_text(yaml.safe_dump({"tiers": tiers, "router": {"policy": "heuristic"}}))
+    yield path
+    for process in processes:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def loadtest(config: Path, out: Path, *slo: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", "from serving.cli import main; main()", "loadtest"]
+    command += ["--config", str(config), "--users", "4", "--spawn-rate", "4", "--duration", "4"]
+    command += ["--out", str(out), *slo]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_loadtest_writes_a_report_and_passes_its_slos(config: Path, tmp_path: Path):
+    result = loadtest(config, tmp_path, "--slo-ttft-p99-ms", "5000", "--slo-error-rate", "0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["requests"] > 0 and summary["failures"] == 0
+    assert set(summary["requests_by_tier"]) == {"full", "highspeed"}
+    assert set(summary["ttft_ms"]) == {"full", "highspeed"}  # streams report TTFT per tier
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    for name in ("locust_stats.csv", "locust_stats_history.csv", "locust_failures.csv"):
+        assert (tmp_path / name).exists()
+    report = (tmp_path / "report.md").read_text()
+    assert "SLOs: all met" in report and "| full |" in report and "| highspeed |" in report
+
+
+def test_a_missed_slo_exits_non_zero(config: Path, tmp_path: Path):
+    result = loadtest(config, tmp_path, "--slo-ttft-p99-ms", "0.001")
+    assert result.returncode == 1
+    assert "SLO missed: p99 TTFT on" in result.stderr

@@ -1,0 +1,69 @@
+"""What ships as package data: a wheel built from this checkout, installed into an empty
+directory, carries the locustfile (with its prompts), the chat template and the Grafana
+dashboard, and `tierserve loadtest`'s locustfile is found inside the installed package, not
+in a source tree. The shipped prompts are the ones the task registry writes today."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import REPO
+
+pytestmark = pytest.mark.slow
+
+PROBE = """
+import json, subprocess, sys
+import serving
+from serving.gateway.loadtest import LOCUSTFILE
+listed = subprocess.run(
+    [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--list"],
+    capture_output=True, text=True, check=True,
+).stdout
+root = LOCUSTFILE.parents[1]
+print(json.dumps({
+    "serving": serving.__file__,
+    "locustfile": str(LOCUSTFILE),
+    "users": listed,
+    "files": [str(p.relative_to(root)) for p in root.rglob("*") if p.suffix in (".json", ".jinja")],
+}))
+"""
+
+
+def test_an_installed_wheel_load_tests_with_its_own_locustfile(tmp_path: Path) -> None:
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), str(REPO)], check=True)
+    [wheel] = wheels.glob("tierserve-*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=tmp_path,  # not the checkout: nothing may come from the source tree
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found = json.loads(out.stdout)
+    assert Path(found["serving"]).is_relative_to(target)
+    assert Path(found["locustfile"]).is_relative_to(target)
+    assert "TierserveUser" in found["users"]
+    assert {"gateway/locust_prompts.json", "gateway/dashboards/gateway.json"} <= set(found["files"])
+    assert "model/chat_template.jinja" in found["files"]
+
+
+def test_shipped_locust_prompts_are_current() -> None:
+    from loadtests.locust_prompts import OUT, build_prompts, render
+
+    shipped = OUT.read_text(encoding="utf-8")
+    assert shipped == render(build_prompts()), "run: python loadtests/locust_prompts.py"
+    prompts = json.loads(shipped)
+    kinds = {p["kind"] for p in prompts}
+    assert kinds == {
+        f"{d}-{k}" for d in ("math", "code", "terminal", "tools") for k in ("easy", "hard")
+    }
+    assert all(p["messages"][-1]["role"] == "user" for p in prompts)

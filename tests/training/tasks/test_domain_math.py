@@ -1,0 +1,152 @@
+"""The math domain: seeded expressions, a trace whose every line is true, a strict verifier."""
+
+import re
+
+import pytest
+
+from serving.model.chat_format import split_reasoning
+from serving.model.tokenizer import Tokenizer
+from training.tasks.base import play
+from training.tasks.math import LEVELS, MathDomain, count_ops, evaluate, operands, render
+
+DOMAIN = MathDomain()
+SEEDS = range(150)
+LABEL = re.compile(r"^[\w^-]+: ")
+ARITHMETIC = re.compile(r"[\d+\-*() ]+")
+
+
+def _products_have_small_factor(tree, factor_digits: int) -> bool:
+    if isinstance(tree, int):
+        return True
+    op, left, right = tree
+    if op == "*" and not any(
+        isinstance(t, int) and len(str(t)) <= factor_digits for t in (left, right)
+    ):
+        return False
+    return _products_have_small_factor(left, factor_digits) and _products_have_small_factor(
+        right, factor_digits
+    )
+
+
+def test_same_seed_same_task_and_seeds_differ() -> None:
+    for difficulty in (1, 2, 3):
+        assert DOMAIN.generate(7, difficulty) == DOMAIN.generate(7, difficulty)
+        prompts = {DOMAIN.generate(seed, difficulty).prompt for seed in range(50)}
+        assert len(prompts) > 40
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_difficulty_bounds_operations_and_digits(difficulty: int) -> None:
+    min_ops, max_ops, max_digits, factor_digits = LEVELS[difficulty]
+    seen_ops = set()
+    for seed in SEEDS:
+        task = DOMAIN.generate(seed, difficulty)
+        tree = task.data["tree"]
+        seen_ops.add(count_ops(tree))
+        assert all(1 <= len(str(n)) <= max_digits for n in operands(tree))
+        assert _products_have_small_factor(tree, factor_digits)
+        assert render(tree) == task.data["expression"] and task.data["expression"] in task.prompt
+        assert eval(task.data["expression"]) == evaluate(tree) == task.data["answer"]
+        assert " x " not in task.prompt
+    assert seen_ops == set(range(min_ops, max_ops + 1))
+
+
+def test_bad_difficulty_is_refused() -> None:
+    with pytest.raises(ValueError):
+        DOMAIN.generate(0, 4)
+
+
+@pytest.mark.parametrize("style", ["think", "short"])
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_references_score_full_marks(style: str, difficulty: int) -> None:
+    for seed in SEEDS:
+        task = DOMAIN.generate(seed, difficulty)
+        episode, verdict = play(DOMAIN, task, DOMAIN.reference(task, style))
+        assert (verdict.reward, verdict.reason) == (1.0, "correct"), task.prompt
+        assert episode.done and episode.messages[-1]["content"] == str(task.data["answer"])
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_every_trace_line_is_true_arithmetic(difficulty: int) -> None:
+    for seed in SEEDS:
+        task = DOMAIN.generate(seed, difficulty)
+        reasoning, content = split_reasoning(DOMAIN.reference(task, "think")[0])
+        assert content == str(task.data["answer"])
+        checked = 0
+        for line in reasoning.splitlines():
+            line = LABEL.sub("", line.strip().removeprefix("So "))
+            if "=" not in line:
+                continue
+            equation, *notes = line.rstrip(".").split(", ")
+            parts = equation.split(" = ")
+            assert len(parts) >= 2 and all(ARITHMETIC.fullmatch(p) for p in parts), line
+            values = {eval(p) for p in parts}
+            assert len(values) == 1, line
+            for note in notes:  # "write 3 carry 1" must agree with the column's sum
+                digit = int(note.split()[1]) if note.startswith("write") else None
+                assert digit is None or digit == values.pop() % 10, line
+            checked += 1
+        assert checked >= count_ops(task.data["tree"]) + 1
+        assert (
+            reasoning.splitlines()[-1] == f"So {task.data['expression']} = {task.data['answer']}."
+        )
+
+
+def test_long_operations_are_worked_digit_by_digit() -> None:
+    task = next(t for t in (DOMAIN.generate(s, 3) for s in SEEDS) if "*" in t.data["expression"])
+    trace = DOMAIN.reference(task, "think")[0]
+    assert "by partial products:" in trace and "in columns:" in trace
+    assert "ones: " in trace
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward", "reason"),
+    [
+        ("3114", 1.0, "correct"),
+        ("The answer is 3,114.", 1.0, "correct"),
+        ("519 x 6 = 3 114", 1.0, "correct"),
+        ("<think>\n482 + 37 = 519\n519 * 6 = 3114\n</think>\n\n**3114**", 1.0, "correct"),
+        ("482 + 37 = 519, 519 * 6 = 3114, so 3115", 0.0, "wrong: got 3115, expected 3114"),
+        ("<think>\nit is 3114\n</think>\n\nI am not sure.", 0.0, "no integer in the answer"),
+        ("<think>\nit is 3114\n</think>\n\n", 0.0, "empty"),
+        ("<think>\nit is 3114, or maybe", 0.0, "empty"),
+        ("", 0.0, "empty"),
+        ("-3114", 0.0, "wrong: got -3114, expected 3114"),
+        ("3114.5", 0.0, "wrong: got 5, expected 3114"),
+    ],
+)
+def test_verifier(completion: str, reward: float, reason: str) -> None:
+    task = DOMAIN.generate(0, 1)
+    task = type(task)(task.domain, 0, 1, "Compute (482 + 37) * 6.", {**task.data, "answer": 3114})
+    _, verdict = play(DOMAIN, task, [completion])
+    assert (verdict.reward, verdict.reason) == (reward, reason)
+
+
+def test_negative_answers_and_unfinished_episodes() -> None:
+    task = next(t for t in (DOMAIN.generate(s, 2) for s in SEEDS) if t.data["answer"] < -999)
+    answer = task.data["answer"]
+    assert play(DOMAIN, task, [f"It comes to {answer:,}."])[1].reward == 1.0
+    assert play(DOMAIN, task, [f"It comes to {-answer:,}."])[1].reward == 0.0
+    assert play(DOMAIN, task, [])[1].reason == "no answer"
+
+
+def test_echoing_the_question_never_scores() -> None:
+    for difficulty in (1, 2, 3):
+        for seed in SEEDS:
+            task = DOMAIN.generate(seed, difficulty)
+            assert play(DOMAIN, task, [task.prompt])[1].reward == 0.0
+            assert play(DOMAIN, task, [task.data["expression"]])[1].reward == 0.0
+
+
+def test_reference_conversations_render_through_the_chat_template(random_checkpoint) -> None:
+    tokenizer = Tokenizer.from_dir(random_checkpoint)
+    for difficulty in (1, 2, 3):
+        task = DOMAIN.generate(difficulty, difficulty)
+        for style in ("think", "short"):
+            episode, _ = play(DOMAIN, task, DOMAIN.reference(task, style))
+            text = tokenizer.apply_chat_template(
+                episode.messages, tools=task.tools, add_generation_prompt=False
+            )
+            assert task.prompt in text and text.endswith(f"{task.data['answer']}<|im_end|>\n")
+            assert ("<think>\nWork innermost first" in text) == (style == "think")
+            assert tokenizer.encode(text)

@@ -1,0 +1,89 @@
+"""`tierserve train recipe smoke`: the whole chain at toy size, checked from the outside:
+transformers loads every model it writes with our logits, renders our chat template as our
+server does with the trained tokenizer, and every stage leaves its curves and tables."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from serving.model.checkpoint import load_checkpoint
+from serving.model.tokenizer import Tokenizer
+from training.config import DataConfig
+from training.datasets import chat_examples
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("recipe")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-c",
+        "from serving.cli import main; main()",
+        "train",
+        "recipe",
+        "smoke",
+        "--work",
+        str(root / "runs"),
+        "--models",
+        str(root / "models"),
+    ]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
+    return root
+
+
+def test_every_stage_leaves_a_model_curves_and_logs(smoke: Path) -> None:
+    for stage in ("pretrain", "sft-think", "sft-short", "draft"):
+        run = smoke / "runs" / stage
+        assert (run / "curves.png").stat().st_size > 1000
+        assert len((run / "log.jsonl").read_text().splitlines()) >= 3
+        assert (run / "model" / "model.safetensors").exists()
+    assert (smoke / "runs" / "sft-think" / "eval-step-3.md").read_text().startswith("| domain")
+    summary = json.loads((smoke / "runs" / "recipe-summary.json").read_text())
+    assert set(summary["sizes_mb"]) == {"full", "highspeed", "draft"}
+    assert 0.0 <= summary["draft_agreement"] <= 1.0
+
+
+@pytest.mark.parametrize("tier", ["full", "highspeed", "draft"])
+def test_shipped_models_load_in_transformers_with_our_logits(smoke: Path, tier: str) -> None:
+    path = smoke / "models" / f"smoke-{tier}"
+    card = (path / "README.md").read_text()
+    assert "tierserve train recipe smoke" in card and "MB" in card
+    config = json.loads((path / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    expected_arch = "Qwen3ForCausalLM" if tier == "draft" else "Qwen3MoeForCausalLM"
+    assert config["architectures"] == [expected_arch]
+    ids = torch.tensor([[5, 17, 99, 3, 250, 42, 7]])
+    ours = load_checkpoint(path)
+    hidden = ours(ids, torch.arange(ids.shape[1])[None])
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours.compute_logits(hidden), ref(ids).logits.float(), atol=1e-4, rtol=1e-4
+        )
+
+
+def test_trained_tokenizer_renders_chats_as_transformers_does(smoke: Path) -> None:
+    path = smoke / "models" / "smoke-full"
+    ours = Tokenizer.from_dir(path)
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    special = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+    for token in special:
+        assert len(ours.encode(token)) == 1
+    for style in ("think", "short"):
+        for example in chat_examples(DataConfig(examples=12), style):
+            for messages, turn in example["turns"]:
+                kwargs = {"tools": example.get("tools"), "add_generation_prompt": True}
+                text = ours.apply_chat_template(messages, **kwargs)
+                assert text == hf.apply_chat_template(messages, tokenize=False, **kwargs)
+                ids = hf.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+                assert ours.encode(text) == ids
+                assert ours.decode(ours.encode(turn)) == turn

@@ -1,0 +1,93 @@
+"""Tokenized training sets and stage configs: what the trainer is fed."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from serving.model.tokenizer import Tokenizer
+from training.config import ConfigError, DataConfig, load_stage_config
+from training.datasets import (
+    IGNORE,
+    PretrainDataset,
+    SampleOrder,
+    SFTDataset,
+    build_pretrain,
+    build_sft,
+    draw_tasks,
+)
+from training.tokenizer import PAD_TOKEN
+
+MIX = {"math": 1.0, "terminal": 1.0, "tools": 1.0}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(random_checkpoint: Path) -> Tokenizer:
+    return Tokenizer.from_dir(random_checkpoint)
+
+
+def test_sft_examples_are_prompted_as_the_server_prompts(tokenizer, tmp_path: Path) -> None:
+    data = DataConfig(examples=12, mix=MIX, difficulties=[1])
+    path = build_sft(data, "think", tokenizer, tmp_path / "sft.jsonl", seq_len=2048)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    eos = tokenizer.raw.token_to_id(tokenizer.eos_token)
+    assert len(rows) > 12  # terminal episodes give one example per assistant turn
+    for row in rows:
+        prompt = tokenizer.decode(row["prompt"], skip_special_tokens=False)
+        assert prompt.startswith("<|im_start|>") and prompt.endswith("<|im_start|>assistant\n")
+        assert row["completion"][-1] == eos
+    math_row = next(r for r in rows if r["domain"] == "math")
+    assert tokenizer.decode(math_row["completion"]).startswith("<think>\n")
+    dataset = SFTDataset(path, tokenizer.raw.token_to_id(PAD_TOKEN))
+    batch = dataset.collate([0, 1, 2])
+    for b in range(3):
+        row = dataset.rows[b]
+        targets = batch.labels[b][batch.labels[b] != IGNORE].tolist()
+        assert targets == row["completion"]  # loss on the completion only, all of it
+        real = int(batch.padding_mask[b].sum())
+        assert batch.input_ids[b, :real].tolist() == (row["prompt"] + row["completion"])[:-1]
+
+
+def test_sft_build_leaves_out_what_does_not_fit(tokenizer, tmp_path: Path) -> None:
+    data = DataConfig(examples=6, mix={"tools": 1.0}, difficulties=[1])
+    with pytest.raises(ValueError, match="no SFT example fits"):
+        build_sft(data, "short", tokenizer, tmp_path / "sft.jsonl", seq_len=16)
+
+
+def test_pretrain_windows_are_next_token_pairs(tokenizer, tmp_path: Path) -> None:
+    data = DataConfig(examples=10, mix=MIX)
+    path = build_pretrain(data, tokenizer, tmp_path / "tokens.npy")
+    tokens = np.load(path)
+    assert (tokens == tokenizer.raw.token_to_id(PAD_TOKEN)).sum() == 10  # one per document
+    dataset = PretrainDataset(path, seq_len=32)
+    batch = dataset.collate([0, 2])
+    assert batch.input_ids[1].tolist() == tokens[64:96].tolist()
+    assert batch.labels[1].tolist() == tokens[65:97].tolist()
+
+
+def test_task_draws_are_prefix_stable_and_follow_the_mix() -> None:
+    short = list(draw_tasks(DataConfig(examples=50, mix=MIX, seed=7)))
+    long = list(draw_tasks(DataConfig(examples=400, mix=MIX, seed=7)))
+    assert long[:50] == short
+    counts = {name: sum(d == name for d, _, _ in long) for name in MIX}
+    assert all(90 < c < 180 for c in counts.values()), counts
+
+
+def test_sample_order_is_a_permutation_per_epoch() -> None:
+    order = SampleOrder(10, seed=3)
+    first = [order[k] for k in range(10)]
+    second = [order[k] for k in range(10, 20)]
+    assert sorted(first) == sorted(second) == list(range(10)) and first != second
+    assert [SampleOrder(10, seed=3)[k] for k in range(20)] == first + second
+
+
+def test_stage_config_errors_are_clear(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('stage = "sft"\n[train]\nstep = 3\n')
+    with pytest.raises(ConfigError, match="step"):
+        load_stage_config(bad)
+    with pytest.raises(ConfigError, match="unknown domains"):
+        load_stage_config(None, ['data.mix={"poetry" = 1.0}'], stage="sft")
+    config = load_stage_config(None, ["train.steps=7", "style=short"], stage="sft")
+    assert config.train.steps == 7 and config.style == "short"

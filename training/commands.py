@@ -1,0 +1,210 @@
+"""Training's subcommands: `train` (one subcommand per stage, plus the tokenizer and whole
+recipes), `eval` (the harness, and the routers' curves), `sandbox exec`, `init-checkpoint`.
+
+DeepSpeed and matplotlib come with the `train` extra (`pip install -e ".[train]"`); they
+are imported only when a training command runs, so serving needs neither.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from router.cli import add_eval_router_args, add_train_router, run_eval_router
+from router.learned import RouterFileError
+from router.outcomes import OutcomeError
+from training.config import ConfigError
+
+USER_ERRORS = (ConfigError, RouterFileError, OutcomeError)
+
+
+def _require_training_extra() -> None:
+    try:
+        import deepspeed  # noqa: F401
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"training needs the `train` extra ({e.name} is missing): pip install -e '.[train]'"
+        ) from None
+
+
+def run_stage_command(args: argparse.Namespace) -> None:
+    _require_training_extra()
+    from training.config import load_stage_config
+    from training.stages import run_stage
+
+    fields = {"stage": args.stage}
+    for key in ("init", "style", "tokenizer"):
+        if getattr(args, key, None) is not None:
+            fields[key] = str(getattr(args, key))
+    config = load_stage_config(args.config, args.set, **fields)
+    print(f"model: {run_stage(config, args.out)}")
+
+
+def run_recipe_command(args: argparse.Namespace) -> None:
+    _require_training_extra()
+    from training.recipes import run_recipe
+
+    work = args.work or Path("runs") / args.name
+    for tier, path in run_recipe(args.name, work, args.models).items():
+        print(f"{tier}: {path}")
+
+
+def run_tokenizer_command(args: argparse.Namespace) -> None:
+    from training.recipes import build_tokenizer
+
+    print(build_tokenizer(args.out, args.vocab_size, args.examples))
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    train = sub.add_parser("train", help="train the tiers: stages, tokenizer, whole recipes")
+    stages = train.add_subparsers(required=True, metavar="STAGE")
+    for stage, help_text in (
+        ("pretrain", "the base MoE on the mixed domain corpus (with MTP)"),
+        ("sft", "supervised fine-tuning on chat examples (--style think|short)"),
+        ("draft", "a small dense drafter distilled from a full model"),
+    ):
+        p = stages.add_parser(stage, help=help_text)
+        p.add_argument("--config", type=Path, help="a TOML stage config (all fields optional)")
+        p.add_argument("--out", type=Path, required=True, help="run directory (resumes)")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config field, e.g. train.steps=200 (repeatable)",
+        )
+        if stage == "pretrain":
+            p.add_argument("--tokenizer", type=Path, help="directory with tokenizer.json")
+        else:
+            p.add_argument("--init", type=Path, help="the checkpoint to start from / distil")
+        if stage == "sft":
+            p.add_argument("--style", choices=["think", "short"])
+        p.set_defaults(run=run_stage_command, stage=stage)
+    add_train_router(stages)
+    p = stages.add_parser("recipe", help="tokenizer, pretrain, both SFT styles and draft")
+    p.add_argument("name", help="a recipe under training/recipes: demo or smoke")
+    p.add_argument("--work", type=Path, help="stage directories (default runs/NAME)")
+    p.add_argument("--models", type=Path, default=Path("models"), help="where models land")
+    p.set_defaults(run=run_recipe_command)
+    p = stages.add_parser("tokenizer", help="byte-level BPE on the domain corpus")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--examples", type=int, default=2000, help="tasks drawn for the corpus")
+    p.set_defaults(run=run_tokenizer_command)
+
+
+def run_init_checkpoint(args: argparse.Namespace) -> None:
+    from training.init_checkpoint import init_checkpoint, read_shape
+
+    shape = read_shape(args.shape) if args.shape else None
+    print(init_checkpoint(args.out, shape, seed=args.seed))
+
+
+def add_init_checkpoint(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "init-checkpoint", help="write a random-weight checkpoint with a trained tokenizer"
+    )
+    parser.add_argument("out", type=Path)
+    parser.add_argument(
+        "--shape", type=Path, help="a config.json, or a card with the config under 'config'"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(run=run_init_checkpoint)
+
+
+def run_sandbox_exec(args: argparse.Namespace) -> None:
+    from training.tasks.sandbox import Limits, run_code
+
+    limits = Limits() if args.timeout is None else Limits(timeout_s=args.timeout)
+    print(json.dumps(run_code(args.lang, args.file.read_text(), limits=limits).to_json()))
+
+
+def add_sandbox(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("sandbox", help="run untrusted code in the execution sandbox")
+    actions = parser.add_subparsers(required=True, metavar="ACTION")
+    exec_parser = actions.add_parser("exec", help="run one file and print the JSON result")
+    exec_parser.add_argument("--lang", required=True, choices=["python", "bash"])
+    exec_parser.add_argument("file", type=Path)
+    exec_parser.add_argument("--timeout", type=float, help="wall-clock seconds (default 5)")
+    exec_parser.set_defaults(run=run_sandbox_exec)
+
+
+def run_eval(args: argparse.Namespace) -> None:
+    if args.what == "router":
+        run_eval_router(args)
+        return
+    if args.model is None and args.url is None and args.reference is None:
+        args.parser.error("one of --model, --url or --reference is required")
+    from training.tasks import harness
+
+    records = asyncio.run(
+        harness.run(
+            args.domains.split(","),
+            args.difficulty,
+            args.n,
+            args.seed,
+            args.concurrency,
+            model_dir=args.model,
+            url=args.url,
+            served_model=args.served_model,
+            api_key=args.api_key,
+            reference=args.reference,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+        )
+    )
+    result = harness.report(records)
+    print(harness.format_table(result["summary"]))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.baseline:
+        failures = harness.regressions(
+            result["summary"], json.loads(args.baseline.read_text()), args.max_drop
+        )
+        for failure in failures:
+            print(f"regression: {failure}", file=sys.stderr)
+        if failures:
+            sys.exit(1)
+
+
+def add_eval(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "eval",
+        help="score a model on held-out tasks of the domains (or, `eval router`, the routers)",
+    )
+    parser.add_argument(
+        "what",
+        nargs="?",
+        choices=["router"],
+        help="`router`: the routers' quality-vs-cost curves on paired outcomes",
+    )
+    add_eval_router_args(parser)
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--model", type=Path, help="a checkpoint directory, served in process")
+    target.add_argument("--url", help="an OpenAI-compatible API root, e.g. http://host:8100/v1")
+    target.add_argument(
+        "--reference", choices=["think", "short"], help="play the reference solutions instead"
+    )
+    parser.add_argument("--served-model", help="the model name to ask for at --url")
+    parser.add_argument("--api-key", default=os.environ.get("TIERSERVE_API_KEY"))
+    parser.add_argument("--domains", default="math,code,terminal,tools")
+    parser.add_argument("--n", type=int, default=20, help="tasks per domain and difficulty")
+    parser.add_argument("--seed", type=int, default=0, help="picks the held-out tasks")
+    parser.add_argument("--difficulty", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=512, help="per assistant turn")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--json", type=Path, help="write the summary and every record here")
+    parser.add_argument("--baseline", type=Path, help="an earlier --json: exit 1 on a drop")
+    parser.add_argument(
+        "--max-drop", type=float, default=5.0, help="allowed drop in completion, in points"
+    )
+    parser.set_defaults(run=run_eval, parser=parser)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    for add in (add_init_checkpoint, add_sandbox, add_eval, add_train):
+        add(sub)

@@ -1,1 +1,0 @@
-"""Verifiable task domains: math, code, terminal and tool calling (see base.py)."""

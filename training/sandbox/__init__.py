@@ -1,6 +1,0 @@
-"""Run untrusted Python or bash: namespaces via bubblewrap, rlimits, timeout, capped output."""
-
-from training.sandbox.process import Limits, SandboxResult
-from training.sandbox.sandbox import Sandbox, SandboxPool, bwrap_available, run_code
-
-__all__ = ["Limits", "Sandbox", "SandboxPool", "SandboxResult", "bwrap_available", "run_code"]

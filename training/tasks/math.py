@@ -1,0 +1,280 @@
+"""Integer arithmetic: expressions with +, -, * and parentheses, checked by their value.
+
+The reference trace is written for a small model to imitate: it evaluates the expression
+innermost first, one operation per line, and spells long operations out digit by digit
+(column addition with carries, column subtraction with borrows, multiplication as partial
+products by the digits of the shorter operand), so no line asks for more than one-digit
+arithmetic or adding a few round numbers. Every `a = b = c` on a line is an exact identity,
+which the tests check with `eval`.
+
+Difficulty (operations per expression, digits per operand, digits of the small factor that
+every multiplication has on one side, which keeps products and their traces bounded):
+
+    1: 1-2 operations, operands of 1-2 digits, factor of 1 digit
+    2: 2-3 operations, operands of 1-4 digits, factor of up to 2 digits
+    3: 3-4 operations, operands of 1-6 digits, factor of up to 3 digits
+"""
+
+import random
+import re
+from typing import Any
+
+from serving.model.chat_format import reasoning_block, split_reasoning
+from training.tasks.base import (
+    MAX_DIFFICULTY,
+    MIN_DIFFICULTY,
+    Domain,
+    Episode,
+    Style,
+    Task,
+    Verdict,
+)
+
+# difficulty -> (min operations, max operations, max operand digits, max factor digits)
+LEVELS = {1: (1, 2, 2, 1), 2: (2, 3, 4, 2), 3: (3, 4, 6, 3)}
+PROMPTS = (
+    "Compute {expr}. Answer with the integer only.",
+    "What is {expr}? Reply with just the integer.",
+    "Evaluate {expr} and give the result as a single integer.",
+    "Calculate {expr}. Give only the final integer.",
+)
+PLACES = ("ones", "tens", "hundreds", "thousands", "ten-thousands", "hundred-thousands")
+PLACES += ("millions", "ten-millions", "hundred-millions", "billions", "ten-billions")
+PRECEDENCE = {"+": 1, "-": 1, "*": 2}
+# An integer, optionally with thousands separators ("1,234,567" or "1 234 567"); a minus
+# counts only when it does not follow a digit ("12-3" holds 12 and 3).
+INTEGER = re.compile(r"(?<!\d)-?\d{1,3}(?:[, ]\d{3})+(?!\d)|(?<!\d)-?\d+")
+
+
+# An expression tree as JSON-friendly data: an int, or [op, left, right].
+Tree = int | list[Any]
+
+
+def evaluate(tree: Tree) -> int:
+    if isinstance(tree, int):
+        return tree
+    op, a, b = tree[0], evaluate(tree[1]), evaluate(tree[2])
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def render(tree: Tree) -> str:
+    """Infix text with only the parentheses needed to read back the same tree: operators are
+    left-associative, so a right operand of equal precedence keeps its parentheses."""
+    if isinstance(tree, int):
+        return str(tree)
+    op, left, right = tree
+    a, b = render(left), render(right)
+    if isinstance(left, list) and PRECEDENCE[left[0]] < PRECEDENCE[op]:
+        a = f"({a})"
+    if isinstance(right, list) and PRECEDENCE[right[0]] <= PRECEDENCE[op]:
+        b = f"({b})"
+    return f"{a} {op} {b}"
+
+
+def operands(tree: Tree) -> list[int]:
+    return [tree] if isinstance(tree, int) else operands(tree[1]) + operands(tree[2])
+
+
+def count_ops(tree: Tree) -> int:
+    return 0 if isinstance(tree, int) else 1 + count_ops(tree[1]) + count_ops(tree[2])
+
+
+def _number(rng: random.Random, max_digits: int) -> int:
+    digits = rng.randint(1, max_digits)
+    return rng.randint(1 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+
+def _build(rng: random.Random, n_ops: int, max_digits: int, factor_digits: int) -> Tree:
+    """A random tree with `n_ops` operations; a product always has a leaf factor of at most
+    `factor_digits` digits on one side."""
+    if n_ops == 0:
+        return _number(rng, max_digits)
+    op = rng.choice("+-*")
+    if op == "*":
+        big = _build(rng, n_ops - 1, max_digits, factor_digits)
+        small = _number(rng, factor_digits)
+        return [op, big, small] if rng.random() < 0.5 else [op, small, big]
+    n_left = rng.randint(0, n_ops - 1)
+    left = _build(rng, n_left, max_digits, factor_digits)
+    return [op, left, _build(rng, n_ops - 1 - n_left, max_digits, factor_digits)]
+
+
+def _place(i: int) -> str:
+    return PLACES[i] if i < len(PLACES) else f"10^{i}"
+
+
+def _column_add(a: int, b: int) -> list[str]:
+    """Column addition of two non-negative numbers, lowest place first; once one operand
+    has no digits left and nothing is carried, the other's higher places copy down."""
+    lines, carry, i = [], 0, 0
+    while a or b or carry:
+        if i and not carry and not (a and b):
+            lines.append(f"  higher places copy down: {a or b}")
+            break
+        x, y = a % 10, b % 10
+        total = x + y + carry
+        terms = f"{x} + {y}" + (" + 1" if carry else "")
+        note = f", write {total % 10} carry 1" if total >= 10 else ""
+        lines.append(f"  {_place(i)}: {terms} = {total}{note}")
+        a, b, carry, i = a // 10, b // 10, total // 10, i + 1
+    return lines
+
+
+def _column_sub(a: int, b: int) -> list[str]:
+    """Column subtraction a - b for a >= b >= 0, lowest place first; once b has no digits
+    left and nothing is borrowed, a's higher places copy down."""
+    lines, borrow, i = [], 0, 0
+    while a:
+        if i and not borrow and not b:
+            lines.append(f"  higher places copy down: {a}")
+            break
+        x, y = a % 10, b % 10
+        terms = f"{x}" + (" - 1" if borrow else "") + f" - {y}"
+        diff = x - borrow - y
+        borrow = int(diff < 0)
+        if borrow:
+            lines.append(f"  {_place(i)}: 10 + {terms} = {diff + 10}, borrow 1")
+        else:
+            lines.append(f"  {_place(i)}: {terms} = {diff}")
+        a, b, i = a // 10, b // 10, i + 1
+    return lines
+
+
+def _by_places(a: int, d: int) -> list[int]:
+    """The products of one digit d with each non-zero place of a, highest first."""
+    digits = str(a)
+    return [int(c) * 10 ** (len(digits) - 1 - i) * d for i, c in enumerate(digits) if c != "0"]
+
+
+def _multiply(a: int, b: int) -> list[str]:
+    """a * b (non-negative) as partial products by the digits of the shorter operand, each
+    split by the places of the longer one, then their sum."""
+    long, short = (a, b) if len(str(a)) >= len(str(b)) else (b, a)
+    lines, partials = [], []
+    for i, c in enumerate(reversed(str(short))):
+        if c == "0":
+            continue
+        d, scale = int(c), 10**i
+        products = " + ".join(map(str, _by_places(long, d)))
+        if scale == 1:
+            lines.append(f"  {long} * {d} = {products} = {long * d}")
+        else:
+            lines.append(f"  {long} * {d * scale} = ({products}) * {scale} = {long * d * scale}")
+        partials.append(long * d * scale)
+    if len(partials) > 1:
+        lines.append(f"  {' + '.join(map(str, partials))} = {sum(partials)}")
+    return lines
+
+
+def _show(n: int) -> str:
+    return f"({n})" if n < 0 else str(n)
+
+
+def _step(op: str, a: int, b: int) -> list[str]:
+    """The trace lines of one operation: the working for long operands, then the result."""
+    result = evaluate([op, a, b])
+    head = f"{_show(a)} {op} {_show(b)}"
+    sign = "-" if result < 0 else ""
+    x, y = abs(a), abs(b)
+    lines = []
+    if op == "*":
+        if (max(x, y) >= 100 and min(x, y) >= 2) or min(x, y) >= 10:
+            if a < 0 or b < 0:
+                lines.append(f"  {head} = {sign}({x} * {y})")
+            lines.append(f"  {x} * {y} by partial products:")
+            lines += _multiply(x, y)
+    elif min(x, y) >= 10 and max(x, y) >= 100:
+        if (op == "+") == ((a < 0) == (b < 0)):  # the magnitudes add up
+            magnitudes, work = f"{x} + {y}", _column_add(x, y)
+        else:
+            magnitudes, work = f"{max(x, y)} - {min(x, y)}", _column_sub(max(x, y), min(x, y))
+        if head != magnitudes:
+            lines.append(f"  {head} = " + (f"-({magnitudes})" if result < 0 else magnitudes))
+        lines += [f"  {magnitudes} in columns:", *work]
+    return [*lines, f"{head} = {result}"]
+
+
+def _trace(tree: Tree, lines: list[str]) -> int:
+    """Evaluate innermost first (left operand, right operand, then the operation), appending
+    each operation's lines."""
+    if isinstance(tree, int):
+        return tree
+    op, left, right = tree
+    a, b = _trace(left, lines), _trace(right, lines)
+    lines += _step(op, a, b)
+    return evaluate([op, a, b])
+
+
+def final_integer(text: str) -> int | None:
+    """The last integer in `text` (thousands separators and a leading minus allowed)."""
+    found = INTEGER.findall(text.replace("\u2212", "-"))
+    return int(re.sub(r"[, ]", "", found[-1])) if found else None
+
+
+def score(task: Task, completion: str) -> Verdict:
+    """Full marks when the last integer after the reasoning is the value: reasoning is not
+    an answer, and a final answer may follow working ("... so 3 * 4 = 12. The answer is 12.")."""
+    _, content = split_reasoning(completion)
+    if not content.strip():
+        return Verdict(0.0, "empty")
+    got = final_integer(content)
+    expected = task.data["answer"]
+    if got is None:
+        return Verdict(0.0, "no integer in the answer")
+    if got != expected:
+        return Verdict(0.0, f"wrong: got {got}, expected {expected}")
+    return Verdict(1.0, "correct")
+
+
+class MathEpisode(Episode):
+    """One answer, then the verdict."""
+
+    def __init__(self, task: Task, system: str | None = None) -> None:
+        super().__init__(task, system)
+        self.completion: str | None = None
+
+    def step(self, completion: str) -> bool:
+        reasoning, content = split_reasoning(completion)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        self.messages.append(message)
+        self.completion, self.done = completion, True
+        return True
+
+    def verdict(self) -> Verdict:
+        if self.completion is None:
+            return Verdict(0.0, "no answer")
+        return score(self.task, self.completion)
+
+
+class MathDomain(Domain):
+    name = "math"
+
+    def generate(self, seed: int, difficulty: int) -> Task:
+        if not MIN_DIFFICULTY <= difficulty <= MAX_DIFFICULTY:
+            raise ValueError(f"difficulty must be in {MIN_DIFFICULTY}..{MAX_DIFFICULTY}")
+        rng = random.Random(f"math:{seed}:{difficulty}")
+        min_ops, max_ops, max_digits, factor_digits = LEVELS[difficulty]
+        while True:
+            tree = _build(rng, rng.randint(min_ops, max_ops), max_digits, factor_digits)
+            # An answer that is also an operand would reward echoing the question.
+            if evaluate(tree) not in operands(tree):
+                break
+        expression = render(tree)
+        prompt = rng.choice(PROMPTS).format(expr=expression)
+        data = {"expression": expression, "tree": tree, "answer": evaluate(tree)}
+        return Task(self.name, seed, difficulty, prompt, data)
+
+    def reference(self, task: Task, style: Style) -> list[str]:
+        answer = task.data["answer"]
+        if style == "short":
+            return [str(answer)]
+        lines = ["Work innermost first, one operation at a time."]
+        _trace(task.data["tree"], lines)
+        lines.append(f"So {task.data['expression']} = {answer}.")
+        body = "\n".join(lines)
+        return [reasoning_block(body) + str(answer)]
+
+    def start(self, task: Task) -> Episode:
+        return MathEpisode(task)
