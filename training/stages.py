@@ -107,8 +107,8 @@ def export(model: CausalLM, out: Path, tokenizer_dir: Path, dtype: torch.dtype) 
 def harness_eval(
     out_dir: Path, tokenizer_dir: Path, cfg: TrainConfig, domains: list[str]
 ) -> EvalFn:
-    """Held-out completion rate per domain through the eval harness (training/tasks) and our engine, with the
-    markdown table written to `OUT/eval-step-N.md`."""
+    """Held-out completion rate per domain through the eval harness (training/tasks) and our
+    engine, with the markdown table written to `OUT/eval-step-N.md`."""
 
     def evaluate(model: CausalLM, step: int) -> dict[str, float]:
         snapshot = export(model, out_dir / "eval-model", tokenizer_dir, torch.float32)
