@@ -27,6 +27,7 @@ from serving.tokenizer import TokenizerError
 from speculative.config import SpeculativeConfig
 from training.cli import add_train
 from training.config import ConfigError
+from training.sandbox import ISOLATION_CHOICES, ISOLATION_ENV, SandboxUnavailable
 
 # Errors that mean "bad input", not "bug".
 USER_ERRORS = (
@@ -40,6 +41,7 @@ USER_ERRORS = (
     RouterFileError,
     OutcomeError,
     LoadTestError,
+    SandboxUnavailable,
 )
 
 
@@ -188,7 +190,8 @@ def run_sandbox_exec(args: argparse.Namespace) -> None:
     from training.sandbox import Limits, run_code
 
     limits = Limits() if args.timeout is None else Limits(timeout_s=args.timeout)
-    print(json.dumps(run_code(args.lang, args.file.read_text(), limits=limits).to_json()))
+    result = run_code(args.lang, args.file.read_text(), limits=limits, isolation=args.isolation)
+    print(json.dumps(result.to_json()))
 
 
 def add_sandbox(sub: argparse._SubParsersAction) -> None:
@@ -198,6 +201,12 @@ def add_sandbox(sub: argparse._SubParsersAction) -> None:
     exec_parser.add_argument("--lang", required=True, choices=["python", "bash"])
     exec_parser.add_argument("file", type=Path)
     exec_parser.add_argument("--timeout", type=float, help="wall-clock seconds (default 5)")
+    exec_parser.add_argument(
+        "--isolation",
+        choices=ISOLATION_CHOICES,
+        help=f"default ${ISOLATION_ENV}, else auto: bubblewrap, else unshare, else refuse; "
+        "rlimits: no namespaces, only if you accept running the file nearly unconfined",
+    )
     exec_parser.set_defaults(run=run_sandbox_exec)
 
 
