@@ -449,7 +449,7 @@ def test_rlimits_only_when_opted_in_and_then_named(
 ) -> None:
     monkeypatch.setenv(ISOLATION_ENV, "rlimits")
     monkeypatch.setenv("TIERSERVE_SECRET", "hunter2-s3cret")
-    sandbox_module._warn_weak.cache_clear()
+    sandbox_module._log_choice.cache_clear()
     with caplog.at_level(logging.WARNING), Sandbox({"a.txt": "hi"}, Limits(timeout_s=1)) as box:
         result = box.run(
             "python", "import os\nprint(os.getcwd(), open('a.txt').read(), dict(os.environ))"
@@ -551,3 +551,15 @@ def test_cli_refuses_without_isolation(
     out, err = capsys.readouterr()
     assert out == "" and "refusing to run untrusted code" in err
     assert "apt-get install bubblewrap" in err
+
+
+@pytest.mark.parametrize("domain", ["code", "terminal"])
+def test_eval_refuses_rather_than_scoring_zero(
+    domain: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _no_namespaces(monkeypatch)
+    monkeypatch.delenv(ISOLATION_ENV, raising=False)
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["eval", "--reference", "short", "--domains", domain, "--n", "1"])
+    assert exited.value.code == 2
+    assert "refusing to run untrusted code" in capsys.readouterr().err

@@ -75,8 +75,9 @@ _FIX = (
 )
 
 
-class SandboxUnavailable(RuntimeError):
-    """No requested isolation works here: untrusted code is refused rather than run bare."""
+class SandboxUnavailable(Exception):
+    """No requested isolation works here: untrusted code is refused rather than run bare.
+    Not a RuntimeError: callers that score a failed request as 0 must not swallow it."""
 
 
 def _tool(name: str) -> str:
@@ -274,12 +275,15 @@ def probe(isolation: str) -> str | None:
 
 
 @functools.cache
-def _warn_weak() -> None:
-    """Once per process: the opt-in is in the logs, not only in each result."""
-    log.warning(
-        "sandbox: isolation 'rlimits' opted in: untrusted code runs with rlimits only, "
-        "without network, filesystem or process isolation"
-    )
+def _log_choice(isolation: str) -> None:
+    """Once per process: the logs, not only each result, name the isolation in use."""
+    if isolation == "rlimits":
+        log.warning(
+            "sandbox: isolation 'rlimits' opted in: untrusted code runs with rlimits only, "
+            "without network, filesystem or process isolation"
+        )
+    else:
+        log.info("sandbox: isolation %r", isolation)
 
 
 def resolve_isolation(requested: str | None = None) -> str:
@@ -291,13 +295,14 @@ def resolve_isolation(requested: str | None = None) -> str:
             f"unknown sandbox isolation {requested!r} (choose from {', '.join(ISOLATION_CHOICES)})"
         )
     if requested == "rlimits":
-        _warn_weak()
+        _log_choice(requested)
         return requested
     tried = NAMESPACED if requested == "auto" else (requested,)
     problems = []
     for isolation in tried:
         problem = probe(isolation)
         if problem is None:
+            _log_choice(isolation)
             return isolation
         problems.append(f"{isolation}: {problem}")
     raise SandboxUnavailable(
