@@ -87,7 +87,7 @@ def test_python_sees_stdin_files_and_a_scrubbed_env(isolation: str) -> None:
     assert result.isolation == isolation
     assert "from a file from stdin /sandbox" in result.stdout
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/sandbox", "LANG": "C.UTF-8"}
-    env |= {"PYTHONPATH": "/sandbox", "PYTHONDONTWRITEBYTECODE": "1"}
+    env |= {"PYTHONPATH": "/sandbox", "PYTHONDONTWRITEBYTECODE": "1", "PWD": "/sandbox"}
     assert result.stdout.splitlines()[1] == str(sorted(env.items()))  # nothing of the host
     assert json.loads(json.dumps(result.to_json()))["status"] == "ok"
 
@@ -250,7 +250,7 @@ s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 for _ in range(3):
     try:
         s.sendto(b"pwned", ("127.0.0.1", {port}))
-        print("SENT")
+        print("sent")  # bubblewrap brings up a private lo: sending works, arriving must not
     except OSError as e:
         print("failed", type(e).__name__)
 """
@@ -258,8 +258,7 @@ for _ in range(3):
         time.sleep(0.1)
         with pytest.raises(BlockingIOError):
             server.recvfrom(64)
-    assert result.status == "ok" and "SENT" not in result.stdout
-    assert result.stdout.count("failed") == 3
+    assert result.status == "ok" and len(result.stdout.splitlines()) == 3
 
 
 def test_ipv6_loopback_is_unreachable(isolation: str) -> None:

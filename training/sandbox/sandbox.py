@@ -166,7 +166,7 @@ def _unshare_argv(tmp: Path, program: list[str]) -> list[str]:
         f"cd {q(root)} && mkdir .old && {q(_tool('pivot_root'))} . .old",
         f"{q(_tool('umount'))} -l /.old && rmdir /.old",
         f"{q(_tool('mount'))} -o remount,bind,ro /",
-        f"cd {WORKDIR} && unset OLDPWD PWD",  # the program's environment is exactly env
+        f"cd {WORKDIR} && unset OLDPWD",  # env and PWD=/sandbox, as under bubblewrap
     ]
     drop = [_tool("setpriv"), "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all"]
     outer = [
