@@ -181,13 +181,15 @@ def _unshare_argv(tmp: Path, program: list[str]) -> list[str]:
     ]
     if RUN_AS is not None:
         drop[1:1] = [f"--reuid={RUN_AS}", f"--regid={RUN_AS}", "--clear-groups"]
-    else:  # no other uid exists in our user namespace: a nested one maps it to 1000
+    else:  # no other uid exists in our user namespace: a nested one maps it to 1000, and
+        # keeps its capabilities just long enough for setpriv to empty the bounding set
         outer[1:1] = ["--user", "--map-root-user"]
         drop[:0] = [
             _tool("unshare"),
             "--user",
             f"--map-user={INNER_ID}",
             f"--map-group={INNER_ID}",
+            "--keep-caps",
             "--",
         ]
     lines += [shlex.join([*drop, "--", *program]), "exit $?"]  # not exec'd: pid 1 stays root
