@@ -497,8 +497,9 @@ def test_auto_takes_the_strongest_that_works(monkeypatch: pytest.MonkeyPatch) ->
     assert resolve_isolation() == "unshare" == resolve_isolation("auto")
     with pytest.raises(SandboxUnavailable, match="bwrap is not installed"):
         resolve_isolation("bubblewrap")
-    with pytest.raises(ValueError, match="unknown sandbox isolation"):
-        resolve_isolation("none")
+    monkeypatch.setenv(ISOLATION_ENV, "rlimit")  # a typo refuses, it never weakens
+    with pytest.raises(SandboxUnavailable, match="unknown sandbox isolation 'rlimit'"):
+        resolve_isolation()
 
 
 def test_bad_arguments_are_rejected() -> None:

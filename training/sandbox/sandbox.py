@@ -121,14 +121,13 @@ def _mount(op: tuple[str, ...], root: str) -> list[str]:
     dst = q(root + args[-1])
     if kind in ("--bind", "--ro-bind"):
         src = args[0]
-        make = (
-            f"mkdir -p {dst}"
-            if os.path.isdir(src)
-            else f"mkdir -p {q(os.path.dirname(root + args[-1]))} && touch {dst}"
-        )
+        if os.path.isdir(src):
+            make = [f"mkdir -p {dst}"]
+        else:
+            make = [f"mkdir -p {q(os.path.dirname(root + args[-1]))}", f"touch {dst}"]
         ro = "ro," if kind == "--ro-bind" else ""
         return [
-            make,
+            *make,
             f"{mount} --bind {q(src)} {dst}",
             f"{mount} -o remount,bind,{ro}nosuid,nodev {dst}",
         ]
@@ -154,55 +153,38 @@ def _mount(op: tuple[str, ...], root: str) -> list[str]:
 
 def _unshare_argv(tmp: Path, program: list[str]) -> list[str]:
     """util-linux's unshare and a setup script as the namespace's pid 1: it builds the layout
-    on a tmpfs, pivots into it, drops to the unprivileged uid and waits for the program (a
-    root pid 1 keeps its parent-death signal: the namespace dies with unshare, and unshare
-    with us)."""
+    on a tmpfs, pivots into it and waits for the program, which it starts as the unprivileged
+    uid. Pid 1 never changes uid, so it keeps unshare's parent-death signal: the namespace
+    dies with unshare, and unshare (by setpriv's) with our thread. One command a line:
+    `set -e` stops at any failure."""
     root = str(tmp / "root")
     q = shlex.quote
     lines = ["set -e", f"{q(_tool('mount'))} -t tmpfs -o mode=755,nosuid,nodev tmpfs {q(root)}"]
     for op in _layout(tmp):
         lines += _mount(op, root)
     lines += [
-        f"cd {q(root)} && mkdir .old && {q(_tool('pivot_root'))} . .old",
-        f"{q(_tool('umount'))} -l /.old && rmdir /.old",
+        f"cd {q(root)}",
+        "mkdir .old",
+        f"{q(_tool('pivot_root'))} . .old",
+        f"{q(_tool('umount'))} -l /.old",  # nothing of the host's tree is left
+        "rmdir /.old",
         f"{q(_tool('mount'))} -o remount,bind,ro /",
-        f"cd {WORKDIR} && unset OLDPWD",  # env and PWD=/sandbox, as under bubblewrap
+        f"cd {WORKDIR}",
+        "unset OLDPWD",  # the program's env is env and PWD=/sandbox, as under bubblewrap
     ]
     drop = [_tool("setpriv"), "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all"]
-    outer = [
-        _tool("unshare"),
-        "--net",
-        "--pid",
-        "--mount",
-        "--ipc",
-        "--uts",
-        "--fork",
-        "--kill-child",
-    ]
+    outer = [_tool("unshare"), "--net", "--pid", "--mount", "--ipc", "--uts", "--fork"]
+    outer.append("--kill-child")
     if RUN_AS is not None:
         drop[1:1] = [f"--reuid={RUN_AS}", f"--regid={RUN_AS}", "--clear-groups"]
     else:  # no other uid exists in our user namespace: a nested one maps it to 1000, and
         # keeps its capabilities just long enough for setpriv to empty the bounding set
         outer[1:1] = ["--user", "--map-root-user"]
-        drop[:0] = [
-            _tool("unshare"),
-            "--user",
-            f"--map-user={INNER_ID}",
-            f"--map-group={INNER_ID}",
-            "--keep-caps",
-            "--",
-        ]
+        nested = [_tool("unshare"), "--user", f"--map-user={INNER_ID}"]
+        drop[:0] = [*nested, f"--map-group={INNER_ID}", "--keep-caps", "--"]
     lines += [shlex.join([*drop, "--", *program]), "exit $?"]  # not exec'd: pid 1 stays root
-    return [
-        _tool("setpriv"),
-        "--pdeathsig=KILL",
-        "--",
-        *outer,
-        "--",
-        "/bin/sh",
-        "-c",
-        "\n".join(lines),
-    ]
+    script = "\n".join(lines)
+    return [_tool("setpriv"), "--pdeathsig=KILL", "--", *outer, "--", "/bin/sh", "-c", script]
 
 
 def _popen_user() -> dict:
@@ -268,6 +250,8 @@ def probe(isolation: str) -> str | None:
             argv, cwd=tmp / "work", env=env, capture_output=True, timeout=30, check=False,
             **popen_kwargs,
         )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"{tool} did not run /bin/true within 30 s"
     finally:
         _remove(tmp)
     if run.returncode == 0:
@@ -292,8 +276,8 @@ def resolve_isolation(requested: str | None = None) -> str:
     """The isolation a run gets: `requested`, else $TIERSERVE_SANDBOX_ISOLATION, else auto
     (the first namespaced one that works). Fails closed: rlimits only when asked for."""
     requested = requested or os.environ.get(ISOLATION_ENV) or "auto"
-    if requested not in ISOLATION_CHOICES:
-        raise ValueError(
+    if requested not in ISOLATION_CHOICES:  # a typo in the env must not weaken anything
+        raise SandboxUnavailable(
             f"unknown sandbox isolation {requested!r} (choose from {', '.join(ISOLATION_CHOICES)})"
         )
     if requested == "rlimits":
