@@ -16,8 +16,9 @@ from router.cli import add_eval_router_args, add_train_router, run_eval_router
 from router.learned import RouterFileError
 from router.outcomes import OutcomeError
 from training.config import ConfigError
+from training.tasks.sandbox import ISOLATION_CHOICES, ISOLATION_ENV, SandboxUnavailable
 
-USER_ERRORS = (ConfigError, RouterFileError, OutcomeError)
+USER_ERRORS = (ConfigError, RouterFileError, OutcomeError, SandboxUnavailable)
 
 
 def _require_training_extra() -> None:
@@ -119,7 +120,8 @@ def run_sandbox_exec(args: argparse.Namespace) -> None:
     from training.tasks.sandbox import Limits, run_code
 
     limits = Limits() if args.timeout is None else Limits(timeout_s=args.timeout)
-    print(json.dumps(run_code(args.lang, args.file.read_text(), limits=limits).to_json()))
+    result = run_code(args.lang, args.file.read_text(), limits=limits, isolation=args.isolation)
+    print(json.dumps(result.to_json()))
 
 
 def add_sandbox(sub: argparse._SubParsersAction) -> None:
@@ -129,6 +131,12 @@ def add_sandbox(sub: argparse._SubParsersAction) -> None:
     exec_parser.add_argument("--lang", required=True, choices=["python", "bash"])
     exec_parser.add_argument("file", type=Path)
     exec_parser.add_argument("--timeout", type=float, help="wall-clock seconds (default 5)")
+    exec_parser.add_argument(
+        "--isolation",
+        choices=ISOLATION_CHOICES,
+        help=f"default ${ISOLATION_ENV}, else auto: bubblewrap, else unshare, else refuse; "
+        "rlimits: no namespaces, only if you accept running the file nearly unconfined",
+    )
     exec_parser.set_defaults(run=run_sandbox_exec)
 
 

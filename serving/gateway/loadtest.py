@@ -13,6 +13,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -33,6 +34,28 @@ KV_BLOCKS_METRIC = "tierserve_kv_cache_used_blocks"
 
 class LoadTestError(RuntimeError):
     """The server could not be started or reached, or Locust failed to run."""
+
+
+_DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
+
+
+def parse_duration(text: str) -> int:
+    """Seconds in Locust's --run-time format (`90`, `60s`, `5m`, `1h30m`), so that the
+    durations people pass to `locust` work here too."""
+    text = text.strip()
+    match = _DURATION.fullmatch(text)
+    if text.isdigit():
+        total = int(text)
+    elif text and match is not None:
+        hours, minutes, seconds = (int(group or 0) for group in match.groups())
+        total = hours * 3600 + minutes * 60 + seconds
+    else:
+        total = 0
+    if total <= 0:
+        raise argparse.ArgumentTypeError(
+            f"invalid duration {text!r}: seconds or Locust's format, e.g. 90, 60s, 5m, 1h30m"
+        )
+    return total
 
 
 @dataclass
@@ -209,10 +232,10 @@ def rss_mib(pids: dict[str, int]) -> dict[str, float]:
     return {tier: psutil.Process(pid).memory_info().rss / 2**20 for tier, pid in pids.items()}
 
 
-def run_locust(url: str, users: int, spawn_rate: float, duration_s: float, prefix: Path) -> None:
+def run_locust(url: str, users: int, spawn_rate: float, duration_s: int, prefix: Path) -> None:
     command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless"]
     command += ["--host", url, "-u", str(users), "-r", str(spawn_rate)]
-    command += ["-t", f"{int(duration_s)}s", "--stop-timeout", "30", "--exit-code-on-error", "0"]
+    command += ["-t", f"{duration_s}s", "--stop-timeout", "30", "--exit-code-on-error", "0"]
     command += ["--csv", str(prefix), "--csv-full-history", "--only-summary", "-L", "WARNING"]
     with open(f"{prefix}_locust.log", "w") as log:
         result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
@@ -313,7 +336,13 @@ def add_loadtest(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--users", type=int, default=8, help="concurrent Locust users")
     parser.add_argument("--spawn-rate", type=float, default=2.0, help="users started per second")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds (per ramp stage)")
+    parser.add_argument(
+        "--duration",
+        type=parse_duration,
+        default=60,
+        metavar="T",
+        help="per ramp stage, as Locust's --run-time: 90 (seconds), 60s, 5m, 1h30m",
+    )
     parser.add_argument("--url", help="the gateway (default: start `tierserve serve`)")
     parser.add_argument("--config", type=Path, help="the started server's config")
     parser.add_argument("--out", type=Path, default=Path("loadtest-report"))

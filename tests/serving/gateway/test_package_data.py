@@ -5,6 +5,7 @@ in a source tree. The shipped prompts are the ones the task registry writes toda
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,9 +35,17 @@ print(json.dumps({
 
 
 def test_an_installed_wheel_load_tests_with_its_own_locustfile(tmp_path: Path) -> None:
-    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    # Built from a copy: setuptools writes build/ beside the sources it builds.
+    source, wheels, target = tmp_path / "source", tmp_path / "wheels", tmp_path / "site"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    for package in ("serving", "router", "kernels", "speculative", "training"):
+        shutil.copytree(
+            REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
     pip = [sys.executable, "-m", "pip", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), str(REPO)], check=True)
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), str(source)], check=True)
     [wheel] = wheels.glob("tierserve-*.whl")
     subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True)
     env = {**os.environ, "PYTHONPATH": str(target)}

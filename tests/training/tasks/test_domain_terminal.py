@@ -4,7 +4,6 @@ against wrong, malformed and adversarial command sequences (run for real in the 
 import pytest
 
 from training.tasks.base import MAX_DIFFICULTY, MIN_DIFFICULTY, play
-from training.tasks.sandbox import bwrap_available
 from training.tasks.terminal import MAX_STEPS, OUTPUT_CHARS, TEMPLATES, TerminalDomain
 
 DOMAIN = TerminalDomain()
@@ -141,7 +140,7 @@ def test_commands_cannot_touch_files_outside_the_work_dir():
         episode.step("DONE")
         verdict = episode.verdict()
         assert verdict.reward == 0.0 and "final tree differs" in verdict.reason
-        if bwrap_available():  # the rlimits fallback does not confine writes (see sandbox)
+        if episode.sandbox.isolation != "rlimits":  # an opted-in fallback confines no writes
             assert not (outside / "escape.txt").exists()
             assert (outside / "prog").is_dir()
     finally:

@@ -1,11 +1,18 @@
-"""The sandbox: normal runs, then red-team runs that must be contained and reported."""
+"""The sandbox: normal runs, then red-team runs that must be contained and reported, under
+every isolation this machine has (unshare always; bubblewrap where installed), and the
+refusal where none works."""
 
 import json
+import logging
 import os
 import resource
+import secrets
 import shutil
 import socket
+import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,12 +20,19 @@ import pytest
 import training.tasks.sandbox.sandbox as sandbox_module
 from serving.cli import main as cli_main
 from tests import REPO
-from training.tasks.sandbox import Limits, Sandbox, SandboxPool, run_code
-
-needs_bwrap = pytest.mark.skipif(
-    shutil.which("bwrap") is None,
-    reason="bubblewrap (bwrap) is not installed; CI installs Debian's bubblewrap package",
+from training.tasks.sandbox import (
+    ISOLATION_ENV,
+    Limits,
+    Sandbox,
+    SandboxPool,
+    SandboxUnavailable,
+    resolve_isolation,
+    run_code,
 )
+
+# unshare (util-linux) is on every Debian/Ubuntu base system; bubblewrap is optional. No
+# isolation is skipped for being absent: where unshare cannot isolate, these tests fail.
+PRESENT = ["unshare"] + (["bubblewrap"] if shutil.which("bwrap") else [])
 FORK_BOMB = """
 import os
 while True:
@@ -51,19 +65,34 @@ def _assert_gone(marker: str) -> None:
     raise AssertionError(f"processes with {marker!r} outlived their run: {_alive_with(marker)}")
 
 
-@needs_bwrap
-def test_python_sees_stdin_files_and_a_scrubbed_env() -> None:
-    source = "import os\nprint(open('data/in.txt').read(), input(), os.getcwd(), dict(os.environ))"
+@pytest.fixture(params=PRESENT)
+def isolation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every run of the test under this isolation, chosen the way callers opt in: the env."""
+    monkeypatch.setenv(ISOLATION_ENV, request.param)
+    return request.param
+
+
+def _host_process(marker: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A sleeping host process of the sandbox's own uid (nobody when we are root), so that only
+    the namespaces, not file or signal permissions, keep a program away from it."""
+    user = {} if sandbox_module.RUN_AS is None else {"user": sandbox_module.RUN_AS}
+    return subprocess.Popen(["sleep", marker], env=env or {}, **user)
+
+
+def test_python_sees_stdin_files_and_a_scrubbed_env(isolation: str) -> None:
+    source = "import os\nprint(open('data/in.txt').read(), input(), os.getcwd())\n"
+    source += "print(sorted(os.environ.items()))"
     result = run_code("python", source, {"data/in.txt": "from a file"}, stdin="from stdin\n")
     assert result.status == "ok" and result.exit_code == 0 and result.reason == "exit 0"
-    assert result.isolation == "bubblewrap"
+    assert result.isolation == isolation
     assert "from a file from stdin /sandbox" in result.stdout
-    assert "'HOME': '/sandbox'" in result.stdout
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/sandbox", "LANG": "C.UTF-8"}
+    env |= {"PYTHONPATH": "/sandbox", "PYTHONDONTWRITEBYTECODE": "1", "PWD": "/sandbox"}
+    assert result.stdout.splitlines()[1] == str(sorted(env.items()))  # nothing of the host
     assert json.loads(json.dumps(result.to_json()))["status"] == "ok"
 
 
-@needs_bwrap
-def test_files_persist_across_runs_and_tree_shows_them() -> None:
+def test_files_persist_across_runs_and_tree_shows_them(isolation: str) -> None:
     with Sandbox({"a.txt": "one\n"}) as box:
         first = box.run("bash", "mkdir -p out && cat a.txt > out/b.txt && echo two >> out/b.txt")
         second = box.run("python", "print(open('out/b.txt').read().split())")
@@ -74,15 +103,13 @@ def test_files_persist_across_runs_and_tree_shows_them() -> None:
     assert not root.exists()
 
 
-@needs_bwrap
-def test_error_exit_is_reported() -> None:
+def test_error_exit_is_reported(isolation: str) -> None:
     result = run_code("python", "raise SystemExit('boom')")
     assert (result.status, result.exit_code, result.reason) == ("error", 1, "exit 1")
     assert "boom" in result.stderr
 
 
-@needs_bwrap
-def test_process_limit_stops_forking() -> None:
+def test_process_limit_stops_forking(isolation: str) -> None:
     source = """
 import os, time
 n = 0
@@ -102,8 +129,7 @@ print(n)
     assert 0 < int(result.stdout) < 16
 
 
-@needs_bwrap
-def test_fork_bomb_is_contained_and_the_host_stays_responsive() -> None:
+def test_fork_bomb_is_contained_and_the_host_stays_responsive(isolation: str) -> None:
     result = run_code("python", FORK_BOMB + "# bomb-7f3a", limits=Limits(timeout_s=2))
     assert result.status == "timeout" and result.reason == "timed out after 2.0 s"
     assert result.duration_s < 3
@@ -114,38 +140,33 @@ def test_fork_bomb_is_contained_and_the_host_stays_responsive() -> None:
     _assert_gone("bomb-7f3a")
 
 
-@needs_bwrap
-def test_memory_bomb_fails_inside_the_limit() -> None:
+def test_memory_bomb_fails_inside_the_limit(isolation: str) -> None:
     result = run_code("python", "x = bytearray(4 << 30)\nprint('allocated')")
     assert result.status == "error" and "allocated" not in result.stdout
     assert "MemoryError" in result.reason and "512 MB" in result.reason
 
 
-@needs_bwrap
-def test_infinite_loop_hits_the_cpu_limit() -> None:
+def test_infinite_loop_hits_the_cpu_limit(isolation: str) -> None:
     result = run_code("python", "while True: pass", limits=Limits(cpu_s=1, timeout_s=10))
     assert result.status == "killed" and "SIGXCPU" in result.reason
     assert result.duration_s < 4
 
 
-@needs_bwrap
-def test_sleep_past_the_timeout_is_killed_in_time_with_its_children() -> None:
+def test_sleep_past_the_timeout_is_killed_in_time_with_its_children(isolation: str) -> None:
     result = run_code("bash", "sleep 4242.5 &\nsleep 4242.5", limits=Limits(timeout_s=1))
     assert result.status == "timeout" and result.reason == "timed out after 1.0 s"
     assert 1.0 <= result.duration_s < 1.5
     _assert_gone("4242.5")
 
 
-@needs_bwrap
-def test_file_size_limit() -> None:
+def test_file_size_limit(isolation: str) -> None:
     with Sandbox(limits=Limits(file_size_mb=1)) as box:
         result = box.run("bash", "head -c 4000000 /dev/zero > big")
         assert result.status == "killed" and "SIGXFSZ" in result.reason
         assert (box.root / "big").stat().st_size <= 1 << 20
 
 
-@needs_bwrap
-def test_writes_outside_the_work_dir_fail(tmp_path: Path) -> None:
+def test_writes_outside_the_work_dir_fail(isolation: str, tmp_path: Path) -> None:
     canary = tmp_path / "canary.txt"
     canary.write_text("original")
     targets = [canary, tmp_path / "new.txt", REPO / "sandbox-escape.txt", "/etc/passwd", "/usr/x"]
@@ -166,8 +187,7 @@ for path in {[str(t) for t in targets]!r}:
     assert "pwned" not in Path("/etc/passwd").read_text()
 
 
-@needs_bwrap
-def test_files_outside_cannot_be_seen_or_deleted(tmp_path: Path) -> None:
+def test_files_outside_cannot_be_seen_or_deleted(isolation: str, tmp_path: Path) -> None:
     canary = tmp_path / "canary.txt"
     canary.write_text("keep me")
     result = run_code("bash", f"rm -rf {tmp_path} {REPO}/README.md; ls {tmp_path} || echo gone")
@@ -175,8 +195,9 @@ def test_files_outside_cannot_be_seen_or_deleted(tmp_path: Path) -> None:
     assert canary.read_text() == "keep me" and (REPO / "README.md").exists()
 
 
-@needs_bwrap
-def test_host_environment_secrets_are_invisible(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_host_environment_secrets_are_invisible(
+    isolation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TIERSERVE_SECRET", "hunter2-s3cret")
     source = f"""
 import glob, os
@@ -192,11 +213,9 @@ for path in ["/proc/1/environ", "/proc/{os.getpid()}/environ", *glob.glob("/proc
     assert "hunter2" not in result.stdout + result.stderr
 
 
-@needs_bwrap
-def test_no_network_not_even_the_hosts_loopback() -> None:
+def test_no_network_not_even_the_hosts_loopback(isolation: str) -> None:
     # Never send a packet outside this machine: try the public address only from inside a
-    # network namespace (were the sandbox to fall back to rlimits, this fails first).
-    assert run_code("python", "pass").isolation == "bubblewrap"
+    # network namespace (the assertion on the interfaces fails first otherwise).
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
@@ -220,7 +239,183 @@ for addr in [("127.0.0.1", {port}), ("1.1.1.1", 53)]:
     assert result.duration_s < 2  # failed at once, no timeouts waited out
 
 
-@needs_bwrap
+def test_udp_to_the_hosts_loopback_never_arrives(isolation: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        source = f"""
+import socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(3):
+    try:
+        s.sendto(b"pwned", ("127.0.0.1", {port}))
+        print("sent")  # bubblewrap brings up a private lo: sending works, arriving must not
+    except OSError as e:
+        print("failed", type(e).__name__)
+"""
+        result = run_code("python", source)
+        time.sleep(0.1)
+        with pytest.raises(BlockingIOError):
+            server.recvfrom(64)
+    assert result.status == "ok" and len(result.stdout.splitlines()) == 3
+
+
+def test_ipv6_loopback_is_unreachable(isolation: str) -> None:
+    with socket.socket(socket.AF_INET6) as listener:
+        listener.bind(("::1", 0))  # this host has ::1: the test means something
+        listener.listen()
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        source = f"""
+import socket
+try:
+    socket.create_connection(("::1", {port}), timeout=3).close()
+    print("CONNECTED")
+except OSError as e:
+    print("failed", type(e).__name__)
+"""
+        result = run_code("python", source)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    assert result.status == "ok" and result.stdout.startswith("failed")
+
+
+@pytest.fixture
+def unix_listeners() -> Iterator[tuple[str, str, list[socket.socket]]]:
+    """A unix socket at a world-writable host path and one in the abstract namespace (which
+    belongs to the network namespace), both listening and open to everyone."""
+    directory = tempfile.mkdtemp(prefix="tierserve-redteam-")
+    os.chmod(directory, 0o777)
+    path = os.path.join(directory, "host.sock")
+    abstract = "\0tierserve-redteam-" + secrets.token_hex(8)
+    listeners = []
+    for address in (path, abstract):
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(address)
+        listener.listen()
+        listener.setblocking(False)
+        listeners.append(listener)
+    os.chmod(path, 0o777)
+    yield path, abstract, listeners
+    for listener in listeners:
+        listener.close()
+    shutil.rmtree(directory)
+
+
+def test_unix_sockets_of_the_host_are_unreachable(
+    isolation: str, unix_listeners: tuple[str, str, list[socket.socket]]
+) -> None:
+    path, abstract, listeners = unix_listeners
+    source = f"""
+import socket
+for address in [{path!r}, {abstract!r}]:
+    try:
+        socket.socket(socket.AF_UNIX).connect(address)
+        print("CONNECTED", repr(address))
+    except OSError as e:
+        print("failed", type(e).__name__)
+"""
+    result = run_code("python", source)
+    assert result.status == "ok" and "CONNECTED" not in result.stdout
+    assert result.stdout.split() == [
+        "failed",
+        "FileNotFoundError",
+        "failed",
+        "ConnectionRefusedError",
+    ]
+    for listener in listeners:
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+
+
+def test_host_processes_are_invisible_in_proc(isolation: str) -> None:
+    host = _host_process("4246.5", env={"TIERSERVE_SECRET": "hunter3-proc"})
+    try:
+        source = """
+import os
+pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+print("pids", pids)
+for pid in pids:
+    for what in ("cmdline", "environ"):
+        try:
+            data = open(f"/proc/{pid}/{what}", "rb").read()
+        except OSError:
+            continue
+        if b"4246.5" in data or b"hunter3" in data:
+            print("FOUND", pid, what)
+"""
+        result = run_code("python", source)
+        assert host.poll() is None
+    finally:
+        host.kill()
+        host.wait()
+    assert result.status == "ok" and "FOUND" not in result.stdout
+    pids = json.loads(result.stdout.split("pids ", 1)[1].splitlines()[0])
+    assert len(pids) <= 3 and max(pids) < 100  # a fresh PID namespace: this run's only
+
+
+def test_signals_cannot_reach_host_processes(isolation: str) -> None:
+    host = _host_process("4247.5")
+    try:
+        source = f"""
+import os, signal
+for pid in ({host.pid}, -1):
+    try:
+        os.kill(pid, signal.SIGKILL)
+        print("sent", pid)
+    except OSError as e:
+        print("failed", pid, type(e).__name__)
+"""
+        result = run_code("python", source)
+        time.sleep(0.2)
+        assert host.poll() is None, "the sandbox killed a host process"
+    finally:
+        host.kill()
+        host.wait()
+    assert result.status in ("ok", "killed")  # kill(-1) may take the program's own group
+
+
+def test_runs_unprivileged_without_capabilities(isolation: str) -> None:
+    source = "import os\nprint(os.getuid(), os.geteuid(), os.getgid())\n"
+    source += "print(open('/proc/self/status').read())"
+    result = run_code("python", source)
+    assert result.status == "ok"
+    uid, euid, gid = map(int, result.stdout.split("\n", 1)[0].split())
+    assert 0 not in (uid, euid, gid)
+    status = dict(line.split(":\t", 1) for line in result.stdout.splitlines()[1:] if ":\t" in line)
+    assert status["CapEff"] == status["CapPrm"] == status["CapBnd"] == "0000000000000000"
+    assert status["NoNewPrivs"] == "1"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can make a setuid-root binary")
+def test_a_setuid_root_binary_grants_nothing(isolation: str) -> None:
+    with Sandbox() as box:
+        suid = box.root / "suid-id"
+        shutil.copy("/usr/bin/id", suid)
+        os.chown(suid, 0, 0)
+        os.chmod(suid, 0o4755)
+        assert (
+            subprocess.run([suid, "-u"], capture_output=True, text=True, user=65534).stdout == "0\n"
+        )
+        result = box.run("bash", "./suid-id -u; ./suid-id -g")
+    assert result.status == "ok"
+    assert "0" not in result.stdout.split()
+
+
+def test_writes_to_the_hosts_tmp_stay_private(isolation: str) -> None:
+    name = f"/tmp/tierserve-redteam-{secrets.token_hex(8)}"
+    source = f"""
+import os
+print(os.listdir("/tmp"))
+open({name!r}, "w").write("pwned")
+print(open({name!r}).read())
+"""
+    result = run_code("python", source)
+    assert result.status == "ok" and result.stdout == "[]\npwned\n"  # a private, empty /tmp
+    assert not os.path.exists(name)
+
+
 @pytest.mark.parametrize(
     ("lang", "source"),
     [
@@ -228,7 +423,7 @@ for addr in [("127.0.0.1", {port}), ("1.1.1.1", 53)]:
         ("bash", "yes"),
     ],
 )
-def test_printing_a_gigabyte_hits_the_output_cap(lang: str, source: str) -> None:
+def test_printing_a_gigabyte_hits_the_output_cap(isolation: str, lang: str, source: str) -> None:
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     result = run_code(lang, source, limits=Limits(output_bytes=10_000))
     assert result.status == "output_limit" and result.reason == "output exceeded 10000 bytes"
@@ -237,8 +432,7 @@ def test_printing_a_gigabyte_hits_the_output_cap(lang: str, source: str) -> None
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 50_000  # KiB
 
 
-@needs_bwrap
-def test_pool_runs_in_parallel_while_one_job_is_a_fork_bomb() -> None:
+def test_pool_runs_in_parallel_while_one_job_is_a_fork_bomb(isolation: str) -> None:
     jobs = [("python", f"print({i} * {i})", None) for i in range(7)]
     jobs.insert(3, ("python", FORK_BOMB, None))
     with SandboxPool(max_workers=4, limits=Limits(timeout_s=3)) as pool:
@@ -249,10 +443,13 @@ def test_pool_runs_in_parallel_while_one_job_is_a_fork_bomb() -> None:
     assert [r.stdout for r in others] == [f"{i * i}\n" for i in range(7)]
 
 
-def test_rlimits_fallback_reports_its_weaker_isolation(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sandbox_module, "bwrap_available", lambda: False)
+def test_rlimits_only_when_opted_in_and_then_named(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(ISOLATION_ENV, "rlimits")
     monkeypatch.setenv("TIERSERVE_SECRET", "hunter2-s3cret")
-    with Sandbox({"a.txt": "hi"}, Limits(timeout_s=1)) as box:
+    sandbox_module._log_choice.cache_clear()
+    with caplog.at_level(logging.WARNING), Sandbox({"a.txt": "hi"}, Limits(timeout_s=1)) as box:
         result = box.run(
             "python", "import os\nprint(os.getcwd(), open('a.txt').read(), dict(os.environ))"
         )
@@ -262,6 +459,47 @@ def test_rlimits_fallback_reports_its_weaker_isolation(monkeypatch: pytest.Monke
         slow = box.run("bash", "sleep 4243.5 &\nsleep 4243.5")
     assert slow.status == "timeout" and slow.duration_s < 1.5
     _assert_gone("4243.5")
+    assert "isolation 'rlimits' opted in" in caplog.text
+
+
+def _no_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Simulate a machine where neither mechanism works (e.g. user namespaces disabled)."""
+    problems = {"bubblewrap": "bwrap is not installed", "unshare": "unshare failed: EPERM"}
+    monkeypatch.setattr(sandbox_module, "probe", problems.get)
+
+
+def test_no_isolation_is_refused_and_names_the_fix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _no_namespaces(monkeypatch)
+    monkeypatch.delenv(ISOLATION_ENV, raising=False)
+    before = set(os.listdir(tempfile.gettempdir()))
+    for call in (
+        lambda: run_code("python", "print('ran')"),
+        lambda: Sandbox(),
+        lambda: SandboxPool(2),
+        lambda: run_code("python", "print('ran')", isolation="unshare"),
+    ):
+        with pytest.raises(SandboxUnavailable) as refused:
+            call()
+        message = str(refused.value)
+        assert "apt-get install bubblewrap" in message and "--isolation rlimits" in message
+        assert f"{ISOLATION_ENV}=rlimits" in message and "unshare failed: EPERM" in message
+    assert set(os.listdir(tempfile.gettempdir())) == before  # refused before making anything
+    assert resolve_isolation("rlimits") == "rlimits"  # the explicit opt-in still works
+
+
+def test_auto_takes_the_strongest_that_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ISOLATION_ENV, raising=False)
+    monkeypatch.setattr(sandbox_module, "probe", lambda isolation: None)
+    assert resolve_isolation() == "bubblewrap"
+    monkeypatch.setattr(sandbox_module, "probe", {"bubblewrap": "bwrap is not installed"}.get)
+    assert resolve_isolation() == "unshare" == resolve_isolation("auto")
+    with pytest.raises(SandboxUnavailable, match="bwrap is not installed"):
+        resolve_isolation("bubblewrap")
+    monkeypatch.setenv(ISOLATION_ENV, "rlimit")  # a typo refuses, it never weakens
+    with pytest.raises(SandboxUnavailable, match="unknown sandbox isolation 'rlimit'"):
+        resolve_isolation()
 
 
 def test_bad_arguments_are_rejected() -> None:
@@ -271,16 +509,14 @@ def test_bad_arguments_are_rejected() -> None:
         box.run("ruby", "puts 1")
 
 
-@needs_bwrap
-def test_tree_skips_symlinks_to_host_files() -> None:
+def test_tree_skips_symlinks_to_host_files(isolation: str) -> None:
     with Sandbox() as box:
         box.run("bash", "ln -s /etc/passwd leak && echo ok > real")
         os.symlink("/etc/hostname", box.root / "host-made-link")
         assert box.tree() == {"real": "ok\n"}
 
 
-@needs_bwrap
-def test_close_removes_what_the_program_locked() -> None:
+def test_close_removes_what_the_program_locked(isolation: str) -> None:
     box = Sandbox()
     result = box.run("bash", "mkdir -p d/e && touch d/e/f && chmod 000 d/e d && chmod 500 .")
     assert result.status == "ok"
@@ -288,11 +524,42 @@ def test_close_removes_what_the_program_locked() -> None:
     assert not box.root.exists()
 
 
-@needs_bwrap
-def test_cli_sandbox_exec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_sandbox_exec(
+    isolation: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     program = tmp_path / "prog.sh"
     program.write_text("echo hello; sleep 10")
     cli_main(["sandbox", "exec", "--lang", "bash", str(program), "--timeout", "0.5"])
     result = json.loads(capsys.readouterr().out)
     assert result["status"] == "timeout" and result["stdout"] == "hello\n"
     assert set(result) >= {"status", "exit_code", "stdout", "stderr", "reason", "duration_s"}
+    assert result["isolation"] == isolation
+    cli_main(["sandbox", "exec", "--lang", "bash", str(program), "--isolation", "rlimits"])
+    assert json.loads(capsys.readouterr().out)["isolation"] == "rlimits"
+
+
+def test_cli_refuses_without_isolation(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _no_namespaces(monkeypatch)
+    monkeypatch.delenv(ISOLATION_ENV, raising=False)
+    program = tmp_path / "prog.py"
+    program.write_text("print('ran')")
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["sandbox", "exec", "--lang", "python", str(program)])
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "refusing to run untrusted code" in err
+    assert "apt-get install bubblewrap" in err
+
+
+@pytest.mark.parametrize("domain", ["code", "terminal"])
+def test_eval_refuses_rather_than_scoring_zero(
+    domain: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _no_namespaces(monkeypatch)
+    monkeypatch.delenv(ISOLATION_ENV, raising=False)
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["eval", "--reference", "short", "--domains", domain, "--n", "1"])
+    assert exited.value.code == 2
+    assert "refusing to run untrusted code" in capsys.readouterr().err

@@ -1,6 +1,25 @@
-"""Run untrusted Python or bash: namespaces via bubblewrap, rlimits, timeout, capped output."""
+"""Run untrusted Python or bash: namespaces (bubblewrap or unshare), rlimits, timeout, capped
+output; refused where no namespaces can be made, unless weaker isolation is opted in."""
 
 from training.tasks.sandbox.process import Limits, SandboxResult
-from training.tasks.sandbox.sandbox import Sandbox, SandboxPool, bwrap_available, run_code
+from training.tasks.sandbox.sandbox import (
+    ISOLATION_CHOICES,
+    ISOLATION_ENV,
+    Sandbox,
+    SandboxPool,
+    SandboxUnavailable,
+    resolve_isolation,
+    run_code,
+)
 
-__all__ = ["Limits", "Sandbox", "SandboxPool", "SandboxResult", "bwrap_available", "run_code"]
+__all__ = [
+    "ISOLATION_CHOICES",
+    "ISOLATION_ENV",
+    "Limits",
+    "Sandbox",
+    "SandboxPool",
+    "SandboxResult",
+    "SandboxUnavailable",
+    "resolve_isolation",
+    "run_code",
+]

@@ -1,8 +1,8 @@
 """Run one command as its own process group under a wall-clock timeout and an output cap.
 
-Nothing here isolates anything: `sandbox.py` builds the command (bubblewrap or the rlimits
-fallback) and this module only watches it. The group is always killed at the end, so a
-background process a program leaves behind cannot outlive its run.
+Nothing here isolates anything: `sandbox.py` builds the command (bubblewrap, unshare or the
+opted-in rlimits fallback) and this module only watches it. The group is always killed at
+the end, so a background process a program leaves behind cannot outlive its run.
 """
 
 import contextlib
@@ -50,7 +50,7 @@ class SandboxResult:
     stderr: str
     reason: str
     duration_s: float
-    isolation: str  # "bubblewrap" | "rlimits"
+    isolation: str  # "bubblewrap" | "unshare" | "rlimits"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -68,8 +68,8 @@ def run_limited(
 ) -> SandboxResult:
     """Run `argv` in a new session and collect its capped output.
 
-    Signals by number: bubblewrap (and bash) report a child killed by signal N as exit code
-    128 + N, so under bubblewrap such codes are read as kills.
+    Signals by number: bubblewrap and the unshare path's shell (and bash) report a child
+    killed by signal N as exit code 128 + N, so under namespaces such codes are read as kills.
     """
     start = time.monotonic()
     deadline = start + limits.timeout_s
@@ -159,7 +159,7 @@ def _classify(
     if timed_out:
         return "timeout", None, f"timed out after {float(limits.timeout_s)} s"
     signum = -returncode if returncode < 0 else 0
-    if isolation == "bubblewrap" and 128 < returncode <= 128 + 64:
+    if isolation != "rlimits" and 128 < returncode <= 128 + 64:
         signum = returncode - 128
     if signum:
         try:
