@@ -1,0 +1,46 @@
+"""Host processes the sandbox tests watch or target."""
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import training.tasks.sandbox.sandbox as sandbox_module
+
+FORK_BOMB = """
+import os
+while True:
+    try:
+        os.fork()
+    except OSError:
+        pass
+"""
+
+
+def alive_with(marker: str) -> list[int]:
+    """Host pids whose command line contains `marker`."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in cmdline:
+            pids.append(int(pid))
+    return pids
+
+
+def assert_gone(marker: str) -> None:
+    """Killed namespaces are torn down asynchronously: allow a short grace."""
+    for _ in range(40):
+        if not alive_with(marker):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"processes with {marker!r} outlived their run: {alive_with(marker)}")
+
+
+def host_process(marker: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A sleeping host process of the sandbox's own uid (nobody when we are root), so that only
+    the namespaces, not file or signal permissions, keep a program away from it."""
+    user = {} if sandbox_module.RUN_AS is None else {"user": sandbox_module.RUN_AS}
+    return subprocess.Popen(["sleep", marker], env=env or {}, **user)
