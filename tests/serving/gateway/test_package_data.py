@@ -1,7 +1,7 @@
 """What ships as package data: a wheel built from this checkout, installed into an empty
 directory, carries the locustfile (with its prompts), the chat template and the Grafana
 dashboard, and `tierserve loadtest`'s locustfile is found inside the installed package, not
-in a source tree. The shipped prompts are the ones the task registry writes today."""
+in a source tree. The shipped prompts are the ones the task registry writes now."""
 
 import json
 import os
