@@ -1,0 +1,78 @@
+"""GRPO / DAPO pieces on fixed tensors: advantages, clip-higher, token-level sums, dynamic
+sampling, the overlong penalty, the k3 KL, and domain weights that follow progress."""
+
+import pytest
+import torch
+
+from training.rl import (
+    DomainWeights,
+    group_advantages,
+    informative,
+    kl_k3_sum,
+    overlong_penalty,
+    policy_loss_sum,
+)
+
+
+def test_group_advantages_are_standardised_within_each_group() -> None:
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 5.0]]))
+    assert adv[0].tolist() == pytest.approx([1, -1, -1, 1], abs=1e-5)
+    assert adv[1].tolist() == pytest.approx([-1 / 3**0.5] * 3 + [3**0.5], abs=1e-5)
+    assert group_advantages(torch.ones(1, 4)).abs().max() == 0  # no signal, no step
+
+
+def test_dynamic_sampling_drops_groups_with_equal_rewards() -> None:
+    assert not informative([1.0, 1.0, 1.0]) and not informative([0.0, 0.0])
+    assert informative([0.0, 1.0, 0.0])
+
+
+def test_clip_higher_is_asymmetric_and_the_loss_is_a_token_sum() -> None:
+    old = torch.zeros(2, 3)
+    # ratios 1.5 (positive advantage: clipped at 1.28), 0.5 (negative: clipped at 0.8).
+    new = torch.log(torch.tensor([[1.5, 1.0, 1.0], [0.5, 1.0, 1.0]]))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    adv = torch.tensor([2.0, -1.0])
+    loss, clip_frac = policy_loss_sum(new, old, adv, mask, eps_low=0.2, eps_high=0.28)
+    # row 0: min(1.5*2, 1.28*2) = 2.56, then 1*2 (third token masked)
+    # row 1: min(0.5*-1, 0.8*-1) = -0.8, then -1, -1
+    assert loss.item() == pytest.approx(-(2.56 + 2.0 - 0.8 - 1.0 - 1.0), abs=1e-5)
+    assert clip_frac.item() == pytest.approx(2 / 5)
+
+
+def test_unclipped_gradient_follows_the_advantage() -> None:
+    new = torch.zeros(1, 2, requires_grad=True)
+    loss, _ = policy_loss_sum(
+        new, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), 0.2, 0.28
+    )
+    loss.backward()
+    assert (new.grad < 0).all()  # descent raises the log-probability of a good answer
+
+
+def test_overlong_penalty_ramps_over_the_cache() -> None:
+    assert overlong_penalty(100, budget=512, cache=128) == 0.0
+    assert overlong_penalty(384, budget=512, cache=128) == 0.0
+    assert overlong_penalty(448, budget=512, cache=128) == pytest.approx(-0.5)
+    assert overlong_penalty(600, budget=512, cache=128) == -1.0
+
+
+def test_k3_kl_is_zero_at_the_reference_and_positive_elsewhere() -> None:
+    lp = torch.log(torch.tensor([[0.5, 0.2]]))
+    mask = torch.ones(1, 2)
+    assert kl_k3_sum(lp, lp, mask).item() == pytest.approx(0.0, abs=1e-7)
+    assert kl_k3_sum(lp, torch.log(torch.tensor([[0.25, 0.4]])), mask).item() > 0
+
+
+def test_domain_weights_follow_learning_progress_and_fixed_keeps_the_mix() -> None:
+    mix = {"math": 1.0, "code": 1.0, "tools": 2.0}
+    dynamic, fixed = DomainWeights(mix), DomainWeights(mix, fixed=True)
+    for weights in (dynamic, fixed):
+        for d in mix:
+            weights.update(d, 0.2)
+        for _ in range(5):
+            weights.update("math", 0.8)  # math is learning; the others stall
+            weights.update("code", 0.2)
+            weights.update("tools", 0.2)
+    w = dynamic.weights()
+    assert w["math"] > w["code"] and w["code"] == pytest.approx(w["tools"])
+    assert min(w.values()) > 0 and sum(w.values()) == pytest.approx(1.0)
+    assert fixed.weights() == pytest.approx({"math": 0.25, "code": 0.25, "tools": 0.5})

@@ -1,0 +1,102 @@
+"""RL on verifier rewards: GRPO's group-relative advantages with DAPO's refinements.
+
+For each prompt a group of G answers is sampled; an answer's advantage is its reward minus
+the group's mean, over the group's standard deviation (GRPO, Shao et al., 2024), the same
+for every token of the answer. DAPO (Yu et al., 2025) adds, and this module implements:
+
+- clip-higher: the importance ratio is clipped to [1 - eps_low, 1 + eps_high] with
+  eps_high > eps_low, so unlikely tokens with positive advantage can still grow;
+- a token-level loss: summed over tokens and divided by the batch's token count (the
+  trainer's normalisation), so long answers weigh by their tokens, not as one sample;
+- dynamic sampling: groups whose rewards are all equal carry no signal and are dropped;
+- an overlong penalty that grows linearly over the last `cache` tokens of the budget.
+
+An optional KL term to the reference uses the k3 estimator (Schulman), as GRPO does.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """[groups, G] rewards -> [groups, G] advantages (reward - mean) / (std + eps)."""
+    mean = rewards.mean(dim=-1, keepdim=True)
+    std = rewards.std(dim=-1, keepdim=True, unbiased=False)
+    return (rewards - mean) / (std + eps)
+
+
+def informative(rewards: Sequence[float]) -> bool:
+    """Dynamic sampling: a group whose answers all scored the same teaches nothing."""
+    return max(rewards) - min(rewards) > 1e-9
+
+
+def overlong_penalty(length: int, budget: int, cache: int) -> float:
+    """0 up to `budget - cache` tokens, then falling linearly to -1 at `budget` (and -1 past)."""
+    free = budget - cache
+    if length <= free:
+        return 0.0
+    return max(-1.0, (free - length) / cache)
+
+
+def policy_loss_sum(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipped surrogate summed over the masked tokens, and the share of tokens clipped.
+
+    logprobs / old_logprobs / mask [B, L]; advantages [B] (one per answer)."""
+    ratio = (logprobs - old_logprobs).exp()
+    adv = advantages[:, None]
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    surrogate = torch.minimum(ratio * adv, clipped * adv)
+    m = mask.float()
+    was_clipped = ((ratio * adv) != surrogate).float()
+    return -(surrogate * m).sum(), (was_clipped * m).sum() / m.sum().clamp(min=1)
+
+
+def kl_k3_sum(
+    logprobs: torch.Tensor, reference_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Summed k3 estimate of KL(policy || reference) over the masked tokens: unbiased,
+    always >= 0, and low-variance (exp(d) - d - 1 with d = ref - policy)."""
+    d = reference_logprobs - logprobs
+    return ((d.exp() - d - 1) * mask.float()).sum()
+
+
+@dataclass
+class DomainWeights:
+    """Sampling weights over domains that follow learning progress: each domain's success is
+    tracked by a fast and a slow moving average, and a domain weighs by how far they differ
+    (it is improving or forgetting), plus a floor so none is starved. `fixed=True` keeps the
+    initial mix: the baseline to compare against."""
+
+    mix: dict[str, float]
+    fixed: bool = False
+    floor: float = 0.1
+    fast_rate: float = 0.3
+    slow_rate: float = 0.05
+    fast: dict[str, float] = field(default_factory=dict)
+    slow: dict[str, float] = field(default_factory=dict)
+
+    def update(self, domain: str, success_rate: float) -> None:
+        if domain not in self.fast:
+            self.fast[domain] = self.slow[domain] = success_rate
+            return
+        self.fast[domain] += self.fast_rate * (success_rate - self.fast[domain])
+        self.slow[domain] += self.slow_rate * (success_rate - self.slow[domain])
+
+    def weights(self) -> dict[str, float]:
+        if self.fixed or not self.fast:
+            total = sum(self.mix.values())
+            return {d: w / total for d, w in self.mix.items()}
+        progress = {d: abs(self.fast.get(d, 0.0) - self.slow.get(d, 0.0)) for d in self.mix}
+        top = max(progress.values()) or 1.0
+        raw = {d: self.floor + (1 - self.floor) * p / top for d, p in progress.items()}
+        total = sum(raw.values())
+        return {d: w / total for d, w in raw.items()}
