@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-DOMAIN_NAMES = ("math", "code", "terminal", "tools")
+from training.tasks import DOMAINS
 
 
 class ConfigError(ValueError):
@@ -64,12 +64,30 @@ class DataConfig(BaseModel):
     @field_validator("mix")
     @classmethod
     def _known_domains(cls, mix: dict[str, float]) -> dict[str, float]:
-        unknown = set(mix) - set(DOMAIN_NAMES)
+        unknown = set(mix) - set(DOMAINS)
         if unknown:
-            raise ValueError(f"unknown domains {sorted(unknown)}; choose from {DOMAIN_NAMES}")
+            raise ValueError(f"unknown domains {sorted(unknown)}; choose from {sorted(DOMAINS)}")
         if not mix or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
             raise ValueError("mix weights must be non-negative with a positive sum")
         return mix
+
+
+class RLConfig(BaseModel):
+    """GRPO with DAPO's refinements (training/rl.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tasks_per_step: int = Field(8, ge=1)  # per process
+    group_size: int = Field(8, ge=2)  # answers sampled per task
+    max_tokens: int = Field(256, ge=1)  # per assistant turn
+    max_turns: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    eps_low: float = Field(0.2, gt=0, lt=1)
+    eps_high: float = Field(0.28, gt=0)  # clip-higher: above eps_low
+    kl_coef: float = Field(0.0, ge=0)  # 0: no reference model, no KL term
+    overlong_cache: int = Field(64, ge=1)  # the penalty ramps over the budget's last tokens
+    dynamic_sampling: bool = True  # drop groups whose rewards are all equal
+    domain_weighting: Literal["progress", "fixed"] = "progress"
 
 
 class StageConfig(BaseModel):
@@ -77,7 +95,7 @@ class StageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    stage: Literal["pretrain", "sft", "draft"]
+    stage: Literal["pretrain", "sft", "draft", "rl"]
     style: Literal["think", "short"] = "think"
     init: str | None = None  # a checkpoint directory to start from (sft, draft's teacher)
     shape: dict[str, Any] | None = None  # config.json fields of a model built from scratch
@@ -85,6 +103,7 @@ class StageConfig(BaseModel):
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     kd_temperature: float = Field(1.0, gt=0)  # draft: softmax temperature of distillation
+    rl: RLConfig = RLConfig()
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:

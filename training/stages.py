@@ -1,4 +1,4 @@
-"""The training stages: pretrain, SFT (think or short style) and draft distillation.
+"""The training stages: pretrain, SFT (think or short style), draft distillation and RL.
 
 Each stage reads its `StageConfig`, builds (or reuses) its tokenized data under
 `OUT/data`, trains through the shared `Trainer` with checkpoints under `OUT/checkpoints`
@@ -33,6 +33,7 @@ from training.losses import (
     shift_labels,
     token_loss_sum,
 )
+from training.rl_trainer import RLTrainer
 from training.tasks import harness
 from training.tokenizer import EOS_TOKEN, PAD_TOKEN
 from training.trainer import EvalFn, LossFn, LossParts, Trainer, init_distributed
@@ -160,7 +161,7 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "stage.json").write_text(config.model_dump_json(indent=2) + "\n")
-    if config.stage in ("sft", "draft") and not config.init:
+    if config.stage in ("sft", "draft", "rl") and not config.init:
         raise ConfigError(f"the {config.stage} stage needs `init`: a checkpoint directory")
     tok_dir = Path(config.tokenizer or config.init or "")
     if config.stage == "pretrain" and not config.tokenizer:
@@ -169,7 +170,12 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
     pad_id = tokenizer.raw.token_to_id(PAD_TOKEN)
     data_dir = out_dir / "data"
     domains = list(config.data.mix)
-    if config.stage == "pretrain":
+    evaluate = (
+        harness_eval(out_dir, tok_dir, cfg, domains) if config.stage in ("sft", "rl") else None
+    )
+    if config.stage == "rl":
+        trainer: Trainer = RLTrainer(config, tokenizer, pad_id, out_dir, evaluate)
+    elif config.stage == "pretrain":
         if config.shape is None:
             raise ConfigError("the pretrain stage needs `shape`: the model's config.json fields")
         path = _build_once(
@@ -196,8 +202,8 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
                 raise ConfigError("the draft stage needs `shape`: the drafter's config.json fields")
             model = _new_model(config.shape, tokenizer, False, cfg.seed)
             loss = distill_loss(load_checkpoint(config.init), config.kd_temperature)
-    evaluate = harness_eval(out_dir, tok_dir, cfg, domains) if config.stage == "sft" else None
-    trainer = Trainer(model, cfg, dataset, out_dir, loss, evaluate, desc=config.stage)
+    if config.stage != "rl":
+        trainer = Trainer(model, cfg, dataset, out_dir, loss, evaluate, desc=config.stage)
     model = trainer.fit()
     final = out_dir / "model"
     if dist.get_rank() == 0:

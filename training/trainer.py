@@ -92,7 +92,7 @@ class Trainer:
         self,
         model: CausalLM,
         cfg: TrainConfig,
-        dataset: Dataset,
+        dataset: Dataset | None,
         out_dir: Path,
         loss_fn: LossFn,
         evaluate: EvalFn | None = None,
@@ -104,7 +104,8 @@ class Trainer:
         self.cfg, self.dataset, self.loss_fn, self.evaluate = cfg, dataset, loss_fn, evaluate
         self.out_dir, self.desc = Path(out_dir), desc
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.order = SampleOrder(len(dataset), cfg.seed)
+        # None for a stage that overrides `micro_batches` (RL draws examples from its policy).
+        self.order = SampleOrder(len(dataset), cfg.seed) if dataset is not None else None
         decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
         rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
         optimizer = torch.optim.AdamW(
@@ -180,18 +181,25 @@ class Trainer:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")
 
+    def state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint holds beside the model, optimizer, scheduler and RNG."""
+        return {"step": step, "log": self.log, "evals": self.evals}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.log, self.evals = state["log"], state["evals"]
+
     def _checkpoint(self, step: int) -> None:
-        state = {"step": step, "log": self.log, "evals": self.evals}
         checkpointing.save(
-            self.engine, self.out_dir / "checkpoints", step, state, self.cfg.keep_checkpoints
-        )
+            self.engine, self.out_dir / "checkpoints", step, self.state(step),
+            self.cfg.keep_checkpoints,
+        )  # fmt: skip
 
     def _resume(self) -> int:
         path = checkpointing.latest(self.out_dir / "checkpoints")
         if path is None:
             return 0
         state = checkpointing.load(self.engine, path)
-        self.log, self.evals = state["log"], state["evals"]
+        self.restore(state)
         return state["step"] + 1
 
     def _evaluate(self, step: int) -> None:

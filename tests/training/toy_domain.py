@@ -1,0 +1,35 @@
+"""A toy verifiable domain for RL tests: the reward is the share of the answer's characters
+that are vowels, so even a random model's samples differ in reward (every group carries a
+signal) and a policy that learns to prefer vowel-heavy tokens earns more."""
+
+from training.tasks import DOMAINS, Domain, Episode, Task
+from training.tasks.base import Verdict
+
+
+class _Answer(Episode):
+    def step(self, completion: str) -> bool:
+        self.messages.append({"role": "assistant", "content": completion})
+        self.answer = completion
+        return True
+
+    def verdict(self) -> Verdict:
+        text = "".join(getattr(self, "answer", "").split())
+        share = sum(c in "aeiouAEIOU" for c in text) / len(text) if text else 0.0
+        return Verdict(share, f"{share:.0%} vowels")
+
+
+class VowelsDomain(Domain):
+    name = "vowels"
+
+    def generate(self, seed: int, difficulty: int) -> Task:
+        return Task("vowels", seed, difficulty, f"Say something ({seed % 7}).", {})
+
+    def reference(self, task: Task, style: str) -> list[str]:
+        return ["aeiou"]
+
+    def start(self, task: Task) -> Episode:
+        return _Answer(task)
+
+
+def register() -> None:
+    DOMAINS["vowels"] = VowelsDomain()
