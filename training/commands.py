@@ -66,6 +66,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
         ("pretrain", "the base MoE on the mixed domain corpus (with MTP)"),
         ("sft", "supervised fine-tuning on chat examples (--style think|short)"),
         ("draft", "a small dense drafter distilled from a full model"),
+        ("dpo", "DPO on multi-objective pairs from the --init model's own samples"),
         ("rl", "GRPO with DAPO's refinements on the verifiers' rewards (--init: the policy)"),
     ):
         p = stages.add_parser(stage, help=help_text)

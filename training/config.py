@@ -72,6 +72,20 @@ class DataConfig(BaseModel):
         return mix
 
 
+class DPOConfig(BaseModel):
+    """Multi-objective preference pairs from the `init` model's samples (training/preference.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    samples: int = Field(4, ge=2)  # answers sampled per task to pick a pair from
+    max_tokens: int = Field(256, ge=1)
+    beta: float = Field(0.1, gt=0)
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    margin: float = Field(0.05, ge=0)  # the least weighted-score gap that makes a pair
+    weights: dict[str, float] = {"correctness": 1.0, "format": 0.3, "brevity": 0.2, "quality": 0.2}
+    eval_tasks: int = Field(16, ge=1)  # held-out tasks for the before/after win rates
+
+
 class RLConfig(BaseModel):
     """GRPO with DAPO's refinements (training/rl.py)."""
 
@@ -95,7 +109,7 @@ class StageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    stage: Literal["pretrain", "sft", "draft", "rl"]
+    stage: Literal["pretrain", "sft", "draft", "dpo", "rl"]
     style: Literal["think", "short"] = "think"
     init: str | None = None  # a checkpoint directory to start from (sft, draft's teacher)
     shape: dict[str, Any] | None = None  # config.json fields of a model built from scratch
@@ -103,6 +117,7 @@ class StageConfig(BaseModel):
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     kd_temperature: float = Field(1.0, gt=0)  # draft: softmax temperature of distillation
+    dpo: DPOConfig = DPOConfig()
     rl: RLConfig = RLConfig()
 
 

@@ -1,4 +1,4 @@
-"""The training stages: pretrain, SFT (think or short style), draft distillation and RL.
+"""The training stages: pretrain, SFT (think or short style), draft distillation, DPO and RL.
 
 Each stage reads its `StageConfig`, builds (or reuses) its tokenized data under
 `OUT/data`, trains through the shared `Trainer` with checkpoints under `OUT/checkpoints`
@@ -26,6 +26,7 @@ from training.datasets import (
     build_pretrain,
     build_sft,
 )
+from training.dpo_trainer import DPOTrainer
 from training.losses import (
     distillation_loss_sum,
     load_balancing_loss,
@@ -161,7 +162,7 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "stage.json").write_text(config.model_dump_json(indent=2) + "\n")
-    if config.stage in ("sft", "draft", "rl") and not config.init:
+    if config.stage in ("sft", "draft", "dpo", "rl") and not config.init:
         raise ConfigError(f"the {config.stage} stage needs `init`: a checkpoint directory")
     tok_dir = Path(config.tokenizer or config.init or "")
     if config.stage == "pretrain" and not config.tokenizer:
@@ -171,10 +172,14 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
     data_dir = out_dir / "data"
     domains = list(config.data.mix)
     evaluate = (
-        harness_eval(out_dir, tok_dir, cfg, domains) if config.stage in ("sft", "rl") else None
+        harness_eval(out_dir, tok_dir, cfg, domains)
+        if config.stage in ("sft", "dpo", "rl")
+        else None
     )
     if config.stage == "rl":
         trainer: Trainer = RLTrainer(config, tokenizer, pad_id, out_dir, evaluate)
+    elif config.stage == "dpo":
+        trainer = DPOTrainer(config, tokenizer, pad_id, out_dir, evaluate)
     elif config.stage == "pretrain":
         if config.shape is None:
             raise ConfigError("the pretrain stage needs `shape`: the model's config.json fields")
@@ -202,7 +207,7 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
                 raise ConfigError("the draft stage needs `shape`: the drafter's config.json fields")
             model = _new_model(config.shape, tokenizer, False, cfg.seed)
             loss = distill_loss(load_checkpoint(config.init), config.kd_temperature)
-    if config.stage != "rl":
+    if config.stage not in ("dpo", "rl"):
         trainer = Trainer(model, cfg, dataset, out_dir, loss, evaluate, desc=config.stage)
     model = trainer.fit()
     final = out_dir / "model"

@@ -13,16 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests import REPO
+from tests.training.toy_domain import RUN_WITH_TOY_DOMAIN as RUN
 
 pytestmark = pytest.mark.slow
-
-RUN = """
-import sys
-from tests.training.toy_domain import register
-register()
-from serving.cli import main
-main(sys.argv[1:])
-"""
 
 
 def rl_command(init: Path, out: Path, steps: int) -> list[str]:

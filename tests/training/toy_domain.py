@@ -33,3 +33,13 @@ class VowelsDomain(Domain):
 
 def register() -> None:
     DOMAINS["vowels"] = VowelsDomain()
+
+
+# `python -c RUN_WITH_TOY_DOMAIN ARGS...`: the tierserve command with the toy domain registered.
+RUN_WITH_TOY_DOMAIN = """
+import sys
+from tests.training.toy_domain import register
+register()
+from serving.cli import main
+main(sys.argv[1:])
+"""
