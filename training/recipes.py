@@ -1,10 +1,17 @@
 """Recipes: the whole chain from nothing to the three shipped models.
 
 tokenizer -> pretrain (the base MoE, with MTP) -> SFT in the think style (the full tier)
-and in the short style (the first highspeed model), both from the same base -> a dense
-drafter distilled from the full model -> held-out evaluation, model cards, and the three
-Hugging Face directories under `models/`. Every stage resumes where it stopped when the
-recipe is run again. A recipe is a directory of TOML files (`training/recipes/NAME/`).
+and in the short style (the first highspeed model), both from the same base -> the full
+tier's post-training stages that the recipe has (`dpo.toml`, `rl.toml`), each evaluated on
+held-out tasks against the model before it -> a dense drafter distilled from the full model
+that ships -> model cards with every stage's table, and the three Hugging Face directories
+under `models/`. Every stage resumes where it stopped when the recipe is run again. A recipe
+is a directory of TOML files (`training/recipes/NAME/`).
+
+Regression checks: a post-training stage whose model completes fewer held-out tasks of a
+domain than the model before it, by more than `[regression] max_drop` points, stops the
+recipe (`RegressionError`, exit status 1) unless told to continue; the full tier ships the
+stage with the best mean completion.
 """
 
 import asyncio
@@ -29,6 +36,11 @@ from training.tasks import harness
 from training.tokenizer import PAD_TOKEN, save_tokenizer, train_tokenizer
 
 RECIPES = resources.files("training") / "recipes"
+POST_TRAINING = ("dpo", "rl")  # in this order, each from the one before
+
+
+class RegressionError(RuntimeError):
+    """A post-training stage made a domain worse than the allowed drop."""
 
 
 def recipe_dir(name: str) -> Path:
@@ -119,7 +131,14 @@ def write_card(model_dir: Path, title: str, how: str, table: str, command: str) 
     (model_dir / "README.md").write_text(card)
 
 
-def run_recipe(name: str, work: Path, models: Path) -> dict[str, Path]:
+def _mean_completion(rows: list[dict]) -> float:
+    overall = [r["completion_rate"] for r in rows if r["difficulty"] == "all"]
+    return sum(overall) / len(overall)
+
+
+def run_recipe(
+    name: str, work: Path, models: Path, allow_regression: bool = False
+) -> dict[str, Path]:
     """Run recipe `name` with its stages under `work`, publish its models under `models`."""
     src = recipe_dir(name)
     recipe = tomllib.loads((src / "recipe.toml").read_text())
@@ -142,26 +161,56 @@ def run_recipe(name: str, work: Path, models: Path) -> dict[str, Path]:
         ("pretrain", "pretrain.toml", {"tokenizer": str(tok)}),
         ("sft-think", "sft.toml", {"init": str(work / "pretrain" / "model"), "style": "think"}),
         ("sft-short", "sft.toml", {"init": str(work / "pretrain" / "model"), "style": "short"}),
-        ("draft", "draft.toml", {"init": str(work / "sft-think" / "model")}),
     ]
     for stage, file, fields in stages:
         config = load_stage_config(src / file, **fields)
         timed(stage, lambda config=config, stage=stage: run_stage(config, work / stage))
-    full, short, draft = (work / s / "model" for s in ("sft-think", "sft-short", "draft"))
+    evals = {
+        stage: timed(
+            f"eval-{stage}",
+            lambda s=stage: evaluate_model(work / s / "model", recipe, work / f"eval-{s}.json"),
+        )
+        for stage in ("sft-think", "sft-short")
+    }
+    full_stages = ["sft-think"]
+    regressions: dict[str, list[str]] = {}
+    for stage in (s for s in POST_TRAINING if (src / f"{s}.toml").exists()):
+        before = full_stages[-1]
+        config = load_stage_config(src / f"{stage}.toml", init=str(work / before / "model"))
+        timed(stage, lambda config=config, stage=stage: run_stage(config, work / stage))
+        evals[stage] = timed(
+            f"eval-{stage}",
+            lambda s=stage: evaluate_model(work / s / "model", recipe, work / f"eval-{s}.json"),
+        )
+        full_stages.append(stage)
+        max_drop = recipe.get("regression", {}).get("max_drop", 5.0)
+        failures = harness.regressions(evals[stage], {"summary": evals[before]}, max_drop)
+        if failures:
+            regressions[stage] = failures
+            message = f"{stage} regressed against {before}: " + "; ".join(failures)
+            if not allow_regression:
+                raise RegressionError(message + " (rerun with --continue-on-regression to go on)")
+            print(f"warning: {message}", flush=True)
+    best = max(full_stages, key=lambda s: _mean_completion(evals[s]))
+    full, short = work / best / "model", work / "sft-short" / "model"
+    config = load_stage_config(src / "draft.toml", init=str(full))
+    timed("draft", lambda: run_stage(config, work / "draft"))
+    draft = work / "draft" / "model"
     published = {tier: models / f"{name}-{tier}" for tier in ("full", "highspeed", "draft")}
     command = f"tierserve train recipe {name}"
-    tables = {}
-    for tier, model_dir in (("full", full), ("highspeed", short)):
-        rows = timed(
-            f"eval-{tier}",
-            lambda d=model_dir, t=tier: evaluate_model(d, recipe, work / f"eval-{t}.json"),
-        )
-        tables[tier] = harness.format_table(rows)
+    tables = {
+        "full": "\n\n".join(
+            f"### {s}{' (shipped)' if s == best else ''}\n\n{harness.format_table(evals[s])}"
+            for s in full_stages
+        ),
+        "highspeed": harness.format_table(evals["sft-short"]),
+    }
     agreement_data = DataConfig(**recipe["draft_agreement"])
     agreement = draft_agreement(draft, full, agreement_data, 1024)
     hows = {
         "full": "The full tier: the base MoE fine-tuned on step-by-step reasoning traces "
-        "(`<think>...</think>` before the answer) of the four task domains.",
+        "(`<think>...</think>` before the answer) of the four task domains, then "
+        f"post-trained ({' -> '.join(full_stages)}); the `{best}` model ships.",
         "highspeed": "The first highspeed model: the same base fine-tuned on short direct "
         "answers of the same tasks.",
         "draft": f"A dense drafter distilled from `{name}-full`'s next-token distributions, "
@@ -179,6 +228,9 @@ def run_recipe(name: str, work: Path, models: Path) -> dict[str, Path]:
         "minutes": (time.monotonic() - started) / 60,
         "stage_seconds": timings,
         "draft_agreement": agreement,
+        "full_stages": full_stages,
+        "shipped_full": best,
+        "regressions": regressions,
         "sizes_mb": {tier: _size_mb(path) for tier, path in published.items()},
         "tables": tables,
     }

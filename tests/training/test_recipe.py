@@ -4,6 +4,7 @@ server does with the trained tokenizer, and every stage leaves its curves and ta
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,12 +37,13 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "--models",
         str(root / "models"),
     ]
-    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
+    done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=900)
+    (root / "stdout.txt").write_text(done.stdout)
     return root
 
 
 def test_every_stage_leaves_a_model_curves_and_logs(smoke: Path) -> None:
-    for stage in ("pretrain", "sft-think", "sft-short", "draft"):
+    for stage in ("pretrain", "sft-think", "sft-short", "dpo", "rl", "draft"):
         run = smoke / "runs" / stage
         assert (run / "curves.png").stat().st_size > 1000
         assert len((run / "log.jsonl").read_text().splitlines()) >= 3
@@ -50,6 +52,37 @@ def test_every_stage_leaves_a_model_curves_and_logs(smoke: Path) -> None:
     summary = json.loads((smoke / "runs" / "recipe-summary.json").read_text())
     assert set(summary["sizes_mb"]) == {"full", "highspeed", "draft"}
     assert 0.0 <= summary["draft_agreement"] <= 1.0
+    assert summary["full_stages"] == ["sft-think", "dpo", "rl"]
+    assert summary["shipped_full"] in summary["full_stages"]
+    out = (smoke / "stdout.txt").read_text()
+    for stage in summary["full_stages"]:
+        assert f"### {stage}" in out  # every post-training stage's table, by name
+    assert (smoke / "runs" / "dpo" / "win-rates.md").read_text().startswith("| objective")
+    assert "reward/" in (smoke / "runs" / "rl" / "log.jsonl").read_text()
+
+
+def test_a_regressing_stage_stops_the_recipe(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The RL stage's model completes fewer math tasks than DPO's, beyond the allowed drop."""
+    from training import recipes
+
+    rates = {"sft-think": 0.5, "sft-short": 0.5, "dpo": 0.6, "rl": 0.3}
+    strict = tmp_path / "strict"
+    shutil.copytree(recipes.recipe_dir("smoke"), strict)
+    toml = (strict / "recipe.toml").read_text().replace("max_drop = 100.0", "max_drop = 5.0")
+    (strict / "recipe.toml").write_text(toml)
+    monkeypatch.setattr(recipes, "recipe_dir", lambda name: strict)
+    monkeypatch.setattr(recipes, "build_tokenizer", lambda out, *_: out)
+    monkeypatch.setattr(recipes, "run_stage", lambda config, out: out / "model")
+
+    def evaluate(model_dir: Path, recipe: dict, out: Path) -> list[dict]:
+        rate = rates[model_dir.parent.name]
+        return [{"domain": "math", "difficulty": "all", "completion_rate": rate}]
+
+    monkeypatch.setattr(recipes, "evaluate_model", evaluate)
+    with pytest.raises(recipes.RegressionError, match=r"rl regressed against dpo: math: 30.0%"):
+        recipes.run_recipe("smoke", tmp_path / "runs", tmp_path / "models")
 
 
 @pytest.mark.parametrize("tier", ["full", "highspeed", "draft"])
