@@ -1,14 +1,15 @@
 """Rollouts: a policy plays sampled episodes of the task domains through our own engine.
 
 Every episode's current turn runs in one continuously batched engine. The G episodes of a
-task render the same first prompt, so after the first of them is prefilled the others reuse
-its KV blocks through the prefix cache. Sampled tokens carry their log-probabilities (the
-model's distribution before filters; rollouts sample at temperature 1, so it is the
-distribution they were drawn from). Multi-turn episodes (terminal, tools) feed each answer
-back through the domain, which runs the sandbox or the tool and appends the observation;
-those steps run in parallel threads, one per episode. Each episode's requests are seeded,
-so a rollout is a function of the weights and (seed, task, sample), whatever else shares
-the batch: a resumed run samples exactly what the uninterrupted one did.
+task render the same first prompt: they go as one request with n = G, whose prompt is
+prefilled once and its KV blocks shared by the G sequences. Sampled tokens carry their log-
+probabilities (the model's distribution before filters; rollouts sample at temperature 1, so
+it is the distribution they were drawn from). Multi-turn episodes (terminal, tools) feed
+each answer back through the domain, which runs the sandbox or the tool and appends the
+observation; those steps run in parallel threads, one per episode. Requests are seeded
+(sequence i of a request draws from seed + i), so a rollout is a function of the weights and
+the seed, the tasks and the turn, whatever else shares the batch: a resumed run samples
+exactly what the uninterrupted one did.
 """
 
 import hashlib
@@ -104,29 +105,35 @@ def _sample_turn(
     turn: int,
     temperature: float,
 ) -> dict[str, Turn]:
-    """Every live episode's next turn, sampled in one continuously batched run. An episode
+    """Every live episode's next turn, sampled in one continuously batched run. Episodes at
+    the same conversation (a task's G samples at their first turn) go as one request with
+    n = their number, so the prompt is prefilled once and its blocks shared. An episode
     whose conversation no longer fits the context gets no turn (its key is absent)."""
     tokenizer = engine.tokenizer
-    prompts: dict[str, list[int]] = {}
-    for key, (rollout, episode) in live.items():
-        ids = _prompt(tokenizer, episode)
-        budget = min(max_tokens, engine.max_model_len - len(ids))
+    same: dict[tuple[int, ...], list[str]] = {}
+    for key, (_, episode) in live.items():
+        same.setdefault(tuple(_prompt(tokenizer, episode)), []).append(key)
+    turns: dict[str, Turn] = {}
+    members: dict[str, list[str]] = {}  # request id -> its episodes, by sequence index
+    for ids, keys in same.items():
+        first = live[keys[0]][0]
         params = SamplingParams(
-            max_tokens=max(budget, 1),
+            n=len(keys),
+            max_tokens=max(1, min(max_tokens, engine.max_model_len - len(ids))),
             temperature=temperature,
-            seed=_request_seed(seed, rollout, turn),
+            seed=_request_seed(seed, first, turn),
             logprobs=0,
         )
         try:
-            engine.add_request(key, ids, params)
+            engine.add_request(keys[0], list(ids), params)
         except EngineInputError:
             continue
-        prompts[key] = ids
-    turns = {key: Turn(ids) for key, ids in prompts.items()}
+        members[keys[0]] = keys
+        turns |= {key: Turn(list(ids)) for key in keys}
     while engine.has_unfinished():
         for out in engine.step():
             for delta in out.outputs:
-                t = turns[out.request_id]
+                t = turns[members[out.request_id][delta.index]]
                 t.completion_ids += delta.token_ids
                 t.logprobs += [lp.logprob for lp in delta.logprobs]
                 t.text += delta.text

@@ -1,0 +1,96 @@
+"""Rollout throughput: sampling G answers to each of B task prompts with our engine (what the
+DPO and RL stages do) against transformers `generate` at the same batch, side by side.
+
+Both sample at temperature 1 with no filters and produce exactly `--max-tokens` tokens per
+answer (EOS ignored), so the figures count the same work: B * G * max_tokens tokens over the
+wall time, prefill included. Ours gets one request per prompt with n = G, as the rollouts
+send them (the prompt is prefilled once, its KV blocks shared by the G answers);
+transformers gets the B prompts left-padded with `num_return_sequences=G`.
+
+    python loadtests/bench_rollouts.py [--model models/demo-full] [--prompts 8] [--group 8]
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model.sampling import SamplingParams
+from training.tasks import DOMAINS
+from training.tasks.seeds import train_seed
+
+
+def prompts(engine: LLMEngine, n: int) -> list[list[int]]:
+    """First turns of training tasks, across the domains, as the chat template renders them."""
+    domains = list(DOMAINS.values())
+    out = []
+    for i in range(n):
+        task = domains[i % len(domains)].generate(train_seed(i), 1)
+        messages = [{"role": "user", "content": task.prompt}]
+        text = engine.tokenizer.apply_chat_template(messages, tools=task.tools)
+        out.append(engine.tokenizer.encode(text))
+    return out
+
+
+def ours(engine: LLMEngine, batch: list[list[int]], group: int, max_tokens: int) -> float:
+    start = time.perf_counter()
+    for i, ids in enumerate(batch):
+        params = SamplingParams(n=group, max_tokens=max_tokens, ignore_eos=True, seed=i * group)
+        engine.add_request(f"r{i}", ids, params)
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def theirs(model_dir: Path, batch: list[list[int]], group: int, max_tokens: int, pad: int) -> float:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            num_return_sequences=group,
+            pad_token_id=pad,
+        )
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=Path("models/demo-full"))
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = LLMEngine.from_checkpoint(args.model, EngineConfig(max_num_seqs=128))
+    batch = prompts(engine, args.prompts)
+    pad = engine.model.config.pad_token_id or 0
+    tokens = args.prompts * args.group * args.max_tokens
+    ours(engine, batch[:1], 2, 4)  # warm-up
+    t_ours = ours(engine, batch, args.group, args.max_tokens)
+    t_theirs = theirs(args.model, batch, args.group, args.max_tokens, pad)
+    print(
+        f"{args.prompts} prompts x {args.group} samples x {args.max_tokens} tokens, "
+        f"temperature 1, fp32, {args.threads} threads"
+    )
+    print("| engine | seconds | tokens/s | ratio |\n|---|---|---|---|")
+    print(f"| transformers generate | {t_theirs:.1f} | {tokens / t_theirs:.0f} | 1.00x |")
+    print(f"| tierserve engine | {t_ours:.1f} | {tokens / t_ours:.0f} | {t_theirs / t_ours:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
