@@ -2,10 +2,10 @@
 
 Every episode's current turn runs in one continuously batched engine. The G episodes of a
 task render the same first prompt: they go as one request with n = G, whose prompt is
-prefilled once and its KV blocks shared by the G sequences. Sampled tokens carry their log-
-probabilities (the model's distribution before filters; rollouts sample at temperature 1, so
-it is the distribution they were drawn from). Multi-turn episodes (terminal, tools) feed
-each answer back through the domain, which runs the sandbox or the tool and appends the
+prefilled once and its KV blocks shared by the G sequences. Sampled tokens carry their
+log-probabilities (the model's distribution before filters; rollouts sample at temperature
+1, so it is the distribution they were drawn from). Multi-turn episodes (terminal, tools)
+feed each answer back through the domain, which runs the sandbox or the tool and appends the
 observation; those steps run in parallel threads, one per episode. Requests are seeded
 (sequence i of a request draws from seed + i), so a rollout is a function of the weights and
 the seed, the tasks and the turn, whatever else shares the batch: a resumed run samples
