@@ -86,6 +86,19 @@ class RequestOutput:
     first_token_time: float | None = None
     spec: SpecCounts | None = None  # speculative decoding over its sequences, when finished
 
+    def merge(self, later: "RequestOutput") -> "RequestOutput":
+        """This output followed by a later one of the same request, as one (in place)."""
+        mine = {o.index: o for o in self.outputs}
+        for delta in later.outputs:
+            if delta.index in mine:
+                mine[delta.index].extend(delta)
+            else:
+                self.outputs.append(delta)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.spec = later.spec
+        return self
+
 
 @dataclass
 class _Request:
