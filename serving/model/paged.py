@@ -55,8 +55,15 @@ class PagedModel:
         pack_for_inference(model)
         blocks = [*model.layers, *(mtp.block for mtp in model.mtp)]
         for layer in blocks:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype)
+            attn = layer.self_attn
+            attn.k_cache = torch.zeros(shape, dtype=dtype)
+            attn.v_cache = torch.zeros(shape, dtype=dtype)
+            attn.qk_norm_weight = torch.cat(
+                (
+                    attn.q_norm.weight.detach().expand(attn.num_heads, -1),
+                    attn.k_norm.weight.detach().expand(attn.num_kv_heads, -1),
+                )
+            )
 
     def prepare(
         self, spans: list[TokenSpan]
