@@ -3,10 +3,12 @@
 On the common benchmark shape (a random-weight Qwen3-MoE of 43.5M parameters, 10.5M active),
 greedy decoding, prompts of 64-256 tokens, 128 new tokens, 1/4/16 concurrent requests:
 transformers runs each group as one left-padded batch (its static batching), our engine as
-concurrent requests under continuous batching. Prints output tokens/s (all generated tokens
-over the group's wall time, prefill included) and mean time to first token, with ratios.
+concurrent requests under continuous batching, both in each `--dtypes` (fp32 and bf16 by
+default). Prints output tokens/s (all generated tokens over the group's wall time, prefill
+included) and mean time to first token, with ratios: ours against transformers in the same
+dtype, and our bf16 against our fp32.
 
-    python loadtests/bench_engine.py [--concurrency 1 4 16] [--new-tokens 128]
+    python loadtests/bench_engine.py [--concurrency 1 4 16] [--new-tokens 128] [--dtypes ...]
 """
 
 import argparse
@@ -20,6 +22,7 @@ from tqdm import tqdm
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
+from serving.model.dtype import DTYPES
 from serving.model.sampling import SamplingParams
 from training.init_checkpoint import read_shape, stdlib_corpus
 from training.tokenizer import save_tokenizer, train_tokenizer
@@ -81,20 +84,14 @@ def run_transformers(model, prompts: list[list[int]], new: int) -> tuple[float, 
     return (out.shape[1] - width) * len(prompts) / wall, ttft
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/tierserve-bench-moe-43m"))
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--json", type=Path, help="also write the results here")
-    args = ap.parse_args()
-    torch.set_num_threads(2)
+def bench_dtype(path: Path, dtype: str, concurrency: list[int], new: int) -> list[dict]:
+    """Both engines in one dtype, group by group, alternating."""
     import transformers
 
-    path = build_checkpoint(args.checkpoint)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    torch_dtype = DTYPES[dtype]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
     engine = LLMEngine(
-        load_checkpoint(path),
+        load_checkpoint(path, torch_dtype),
         EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024),
         eos_token_ids=[],
     )
@@ -102,28 +99,58 @@ def main() -> None:
     run_ours(engine, make_prompts(2, vocab, seed=99), 8)  # warm up both
     run_transformers(hf, make_prompts(2, vocab, seed=99), 8)
     rows = []
-    for c in tqdm(args.concurrency, desc="concurrency"):
+    for c in tqdm(concurrency, desc=dtype):
         prompts = make_prompts(c, vocab, seed=c)
-        hf_tps, hf_ttft = run_transformers(hf, prompts, args.new_tokens)
-        our_tps, our_ttft = run_ours(engine, prompts, args.new_tokens)
+        hf_tps, hf_ttft = run_transformers(hf, prompts, new)
+        our_tps, our_ttft = run_ours(engine, prompts, new)
         rows.append(
-            dict(concurrency=c, hf_tps=hf_tps, our_tps=our_tps, hf_ttft=hf_ttft, our_ttft=our_ttft)
+            dict(
+                dtype=dtype,
+                concurrency=c,
+                hf_tps=hf_tps,
+                our_tps=our_tps,
+                hf_ttft=hf_ttft,
+                our_ttft=our_ttft,
+            )
         )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/tierserve-bench-moe-43m"))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32", "bfloat16"])
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    path = build_checkpoint(args.checkpoint)
+    rows = [
+        row
+        for dtype in args.dtypes
+        for row in bench_dtype(path, dtype, args.concurrency, args.new_tokens)
+    ]
     print(
         f"\n{SHAPE.name}: greedy, prompts of 64-256 tokens, {args.new_tokens} new tokens, "
-        f"fp32, {torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads"
     )
     print(
-        "| concurrent | transformers tok/s | tierserve tok/s | ratio | TTFT transformers ms "
-        "| TTFT tierserve ms |"
+        "| dtype | concurrent | transformers tok/s | tierserve tok/s | ratio "
+        "| TTFT transformers ms | TTFT tierserve ms |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["our_tps"] / r["hf_tps"]
         print(
-            f"| {r['concurrency']} | {r['hf_tps']:.0f} | {r['our_tps']:.0f} | {ratio:.2f}x "
-            f"| {r['hf_ttft'] * 1e3:.0f} | {r['our_ttft'] * 1e3:.0f} |"
+            f"| {r['dtype']} | {r['concurrency']} | {r['hf_tps']:.0f} | {r['our_tps']:.0f} "
+            f"| {ratio:.2f}x | {r['hf_ttft'] * 1e3:.0f} | {r['our_ttft'] * 1e3:.0f} |"
         )
+    ours = {(r["dtype"], r["concurrency"]): r["our_tps"] for r in rows}
+    if {"float32", "bfloat16"} <= set(args.dtypes):
+        print("\n| concurrent | tierserve bf16 / fp32 |\n|---|---|")
+        for c in args.concurrency:
+            print(f"| {c} | {ours['bfloat16', c] / ours['float32', c]:.2f}x |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -12,11 +12,19 @@ from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine
 from serving.gateway.config import GatewayConfigError
 from serving.gateway.loadtest import LoadTestError, add_loadtest
 from serving.model.config import CheckpointError
+from serving.model.dtype import DTYPE_CHOICES, UnsupportedDtypeError
 from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import TokenizerError
 from speculative.config import SpeculativeConfig
 
-USER_ERRORS = (CheckpointError, TokenizerError, EngineInputError, GatewayConfigError, LoadTestError)
+USER_ERRORS = (
+    CheckpointError,
+    TokenizerError,
+    EngineInputError,
+    GatewayConfigError,
+    LoadTestError,
+    UnsupportedDtypeError,
+)
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:
@@ -38,6 +46,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         speculative=args.speculative_config,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.kv_cache_memory is not None:
         config.kv_cache_bytes = args.kv_cache_memory << 20
@@ -64,6 +74,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculative decoding, as vLLM: \'{"method": "mtp"|"ngram"|"draft", '
         '"model": DRAFT_DIR, "num_speculative_tokens": 4}\'',
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default=defaults.dtype,
+        help="weights and activations (auto: the checkpoint's); logits and sampling stay fp32",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=DTYPE_CHOICES,
+        default=defaults.kv_cache_dtype,
+        help="the KV cache's (auto: the model's --dtype)",
     )
 
 

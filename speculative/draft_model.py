@@ -49,10 +49,10 @@ class _Shadow:
 
 
 class DraftModelProposer:
-    def __init__(self, path: Path, blocks: BlockAllocator, vocab: int) -> None:
+    def __init__(self, path: Path, blocks: BlockAllocator, vocab: int, dtype: torch.dtype) -> None:
         """`blocks`: the draft model's own, as many as the target's (a shadow never holds
-        more tokens than its sequence), without prefix caching."""
-        model = load_checkpoint(path)
+        more tokens than its sequence), without prefix caching; `dtype`: the target's."""
+        model = load_checkpoint(path, dtype)
         if model.config.vocab_size > vocab or model.config.num_experts:
             raise ValueError(f"{path}: a draft model must be dense and share the tokenizer")
         self.runner = PagedModel(model, blocks.num_blocks, blocks.block_size)

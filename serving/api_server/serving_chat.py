@@ -7,13 +7,13 @@ no tools and parses none; "required" and a named function constrain decoding to 
 (tool_constraint.py), which the same parsers read back.
 """
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -122,7 +122,7 @@ def _chunk_json(chunk: ChatCompletionChunk) -> str:
         choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
     if data["usage"] is None:
         del data["usage"]
-    return json.dumps(data, ensure_ascii=False)
+    return orjson.dumps(data).decode()
 
 
 async def _stream(

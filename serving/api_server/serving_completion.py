@@ -2,7 +2,6 @@
 legacy logprobs shape, whole or streamed. Prompt i's n choices have indices i*n .. i*n+n-1."""
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -10,6 +9,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -116,7 +116,7 @@ async def _stream(
         ).model_dump()
         if data["usage"] is None:
             del data["usage"]
-        return sse(json.dumps(data, ensure_ascii=False))
+        return sse(orjson.dumps(data).decode())
 
     streams = [serving.generate(f"{request_id}-{i}", p.request) for i, p in enumerate(prompts)]
     try:

@@ -3,6 +3,10 @@
 Only the engine thread touches the engine's state; the event loop sends it commands (add,
 abort) through a queue and receives outputs through one asyncio queue per request. Torch
 releases the GIL inside its kernels, so the event loop keeps serving while a step runs.
+
+A step's outputs reach the loop in one wake-up, not one per request; a request whose
+consumer fell behind gets its waiting deltas merged, so it writes one SSE event per wake-up
+carrying all its new tokens.
 """
 
 import asyncio
@@ -61,6 +65,9 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await stream.queue.get()
+                while not isinstance(item, BaseException) and not stream.queue.empty():
+                    later = stream.queue.get_nowait()
+                    item = later if isinstance(later, BaseException) else item.merge(later)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -75,9 +82,18 @@ class AsyncEngine:
         self._wake.set()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """One wake-up per event loop for all of them (each wake-up is a syscall and a turn
+        of the loop)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     def _run(self) -> None:
         engine = self.engine
@@ -104,5 +120,9 @@ class AsyncEngine:
                     engine.abort(request_id)
                     self._deliver(request_id, EngineDeadError(f"engine failure: {e}"))
                 return
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_all([(out.request_id, out) for out in outputs])
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in puts:
+        q.put_nowait(item)

@@ -15,6 +15,7 @@ from serving.engine.sequence import Sequence
 from serving.engine.tool_constraint import ToolCallConstraint
 from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
+from serving.model.dtype import resolve_kv_cache_dtype
 from serving.model.paged import kv_bytes_per_block
 from serving.model.sampling import SamplingParams, TokenLogprob
 from serving.model.tokenizer import Tokenizer
@@ -40,6 +41,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
+    dtype: str = "auto"  # what `from_checkpoint` loads the weights in (`serving/model/dtype.py`)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,19 @@ class RequestOutput:
     first_token_time: float | None = None
     spec: SpecCounts | None = None  # speculative decoding over its sequences, when finished
 
+    def merge(self, later: "RequestOutput") -> "RequestOutput":
+        """This output followed by a later one of the same request, as one (in place)."""
+        mine = {o.index: o for o in self.outputs}
+        for delta in later.outputs:
+            if delta.index in mine:
+                mine[delta.index].extend(delta)
+            else:
+                self.outputs.append(delta)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.spec = later.spec
+        return self
+
 
 @dataclass
 class _Request:
@@ -112,9 +128,9 @@ class LLMEngine:
             if eos_token_ids is not None
             else (tokenizer.eos_token_ids if tokenizer else [])
         )
-        dtype = model.embed_tokens.weight.dtype
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.embed_tokens.weight.dtype)
         num_blocks = config.kv_cache_bytes // kv_bytes_per_block(
-            model.config, config.block_size, dtype
+            model.config, config.block_size, kv_dtype
         )
         if num_blocks < 1:
             raise ValueError("kv_cache_bytes is too small for one block")
@@ -125,7 +141,9 @@ class LLMEngine:
         )
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, sorted(self.eos_token_ids))
+        self.runner = ModelRunner(
+            model, num_blocks, config.block_size, sorted(self.eos_token_ids), kv_dtype
+        )
         self.requests: dict[str, _Request] = {}
         self.speculator = (
             Speculator(config.speculative, self._proposer(config.speculative), self.max_model_len)
@@ -143,11 +161,12 @@ class LLMEngine:
         # The draft model's own blocks, as many as the target's: a shadow of a sequence
         # never holds more tokens than the sequence.
         blocks = BlockManager(self.blocks.num_blocks, self.blocks.block_size, False)
-        return DraftModelProposer(config.model, blocks, vocab)
+        return DraftModelProposer(config.model, blocks, vocab, self.runner.dtype)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
-        return cls(load_checkpoint(path), config, Tokenizer.from_dir(path))
+        config = config or EngineConfig()
+        return cls(load_checkpoint(path, config.dtype), config, Tokenizer.from_dir(path))
 
     # -- requests -------------------------------------------------------------------------
 

@@ -37,9 +37,14 @@ class ModelRunner(PagedModel):
     prompt logprobs for each sequence that reaches its end."""
 
     def __init__(
-        self, model: CausalLM, num_blocks: int, block_size: int, eos_token_ids: list[int]
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        eos_token_ids: list[int],
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(model, num_blocks, block_size)
+        super().__init__(model, num_blocks, block_size, kv_cache_dtype)
         self.sampler = Sampler(model.config.vocab_size, eos_token_ids)
 
     @torch.inference_mode()

@@ -3,7 +3,9 @@
 Every sequence simply has tokens still to compute: a whole prompt, the rest of a prompt
 (chunked prefill), or the one token sampled last step (decode), followed by its
 speculative drafts if it has any (cut first when the budget runs short). Running
-sequences are served first, oldest first, within a per-step token budget; waiting ones are
+sequences are served first within a per-step token budget, those past their prompt before
+those still prefilling (so a long prompt takes what the decodes leave, one chunk a step,
+and never stalls a stream), oldest first within each; waiting ones are
 admitted in arrival order while budget, sequence slots and cache blocks last. When the
 cache runs out the newest running sequence is preempted: its blocks are freed and it is
 recomputed later (its full blocks usually survive in the prefix cache, which makes that
@@ -46,6 +48,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.running.sort(key=lambda seq: not seq.prompt_done)  # stable: oldest first in each
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]

@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from serving.model.config import CheckpointError, ModelConfig
+from serving.model.dtype import DTYPE_CHOICES, UnsupportedDtypeError, resolve_dtype
 from speculative.config import SpeculativeConfig
 
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -44,6 +46,8 @@ class EmbeddedTier(_Strict):
     threads: Annotated[int, Field(ge=1)] = 1  # torch threads of the child (OMP_NUM_THREADS)
     api_key: str | None = None  # if set, the child requires it and the gateway sends it
     speculative: SpeculativeConfig | None = None  # `tierserve engine --speculative-config`
+    dtype: Literal[DTYPE_CHOICES] = "auto"  # `tierserve engine --dtype`
+    kv_cache_dtype: Literal[DTYPE_CHOICES] = "auto"  # `tierserve engine --kv-cache-dtype`
 
     @property
     def model_name(self) -> str:
@@ -210,19 +214,24 @@ class GatewayConfigError(ValueError):
 
 
 def check_checkpoints(config: GatewayConfig) -> None:
-    """Refuse to start an embedded tier whose checkpoint is not there, rather than restart
-    it forever."""
+    """Refuse to start an embedded tier whose checkpoint is not there, or whose dtype this
+    machine cannot compute in, rather than restart it forever."""
     for tier in ("full", "highspeed"):
         tier_config = getattr(config.tiers, tier)
-        if (
-            isinstance(tier_config, EmbeddedTier)
-            and not (tier_config.model / "config.json").is_file()
-        ):
+        if not isinstance(tier_config, EmbeddedTier):
+            continue
+        if not (tier_config.model / "config.json").is_file():
             raise GatewayConfigError(
                 f"tiers.{tier}.model: {tier_config.model} is not a checkpoint directory (no "
                 "config.json); the default tiers are the trained demo models, which "
                 "`training/` produces: give other checkpoints with --config"
             )
+        try:
+            saved = ModelConfig.from_file(tier_config.model / "config.json").dtype
+            for name in (tier_config.dtype, tier_config.kv_cache_dtype):
+                resolve_dtype(name, saved)
+        except (CheckpointError, UnsupportedDtypeError) as e:
+            raise GatewayConfigError(f"tiers.{tier}: {e}") from e
 
 
 def load_config(path: Path | None) -> GatewayConfig:

@@ -44,6 +44,8 @@ def engine_command(config: EmbeddedTier, port: int) -> list[str]:
         "--max-model-len": config.max_model_len,
         "--api-key": config.api_key,
         "--speculative-config": config.speculative and config.speculative.model_dump_json(),
+        "--dtype": config.dtype,
+        "--kv-cache-dtype": config.kv_cache_dtype,
     }
     for flag, value in options.items():
         if value is not None:

@@ -33,7 +33,7 @@ class ShortChunks:
     @classmethod
     def build(
         cls, starts: list[int], lengths: list[int], offsets: list[int], tables: list[list[int]],
-        block_size: int,
+        block_size: int, dtype: torch.dtype,
     ) -> "ShortChunks":  # fmt: skip
         width = max(map(len, tables))
         rows = max(lengths)
@@ -44,7 +44,7 @@ class ShortChunks:
         # Query i of a chunk starting at s sees keys 0..s+i; padded rows see a prefix, harmlessly.
         last_key = torch.tensor(starts)[:, None] + pos[None, :]
         keys = torch.arange(width * block_size)
-        mask = torch.zeros(len(starts), rows, len(keys))
+        mask = torch.zeros(len(starts), rows, len(keys), dtype=dtype)
         mask.masked_fill_(keys[None, None, :] > last_key[:, :, None], float("-inf"))
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
         return cls(token_index, valid, padded, mask[:, None])
@@ -75,14 +75,14 @@ class AttentionMetadata:
     # Built once per step for decode attention: additive mask hiding padded cache slots.
     decode_mask: torch.Tensor | None = None
 
-    def prepare(self, block_size: int) -> None:
-        """Precompute what every layer would otherwise rebuild."""
+    def prepare(self, block_size: int, dtype: torch.dtype) -> None:
+        """Precompute what every layer would otherwise rebuild; masks in the queries' dtype."""
         if self.num_decodes:
             max_ctx = self.decode_block_tables.shape[1] * block_size
             pos = torch.arange(max_ctx)
             valid = pos[None, :] < self.decode_context_lens[:, None]
             # Additive rather than boolean: SDPA's CPU kernel takes it ~20% faster.
-            mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+            mask = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))
             self.decode_mask = mask[:, None, None, :]  # [B, 1, 1, max_ctx]
 
 
@@ -93,19 +93,21 @@ def write_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store the step's keys and values ([T, kv_heads, head_dim]) at their slots."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    """Store the step's keys and values ([T, kv_heads, head_dim]) at their slots, in the
+    cache's dtype (`--kv-cache-dtype`)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, max_blocks] block ids -> keys or values [B, kv_heads, max_blocks * block_size, d].
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, max_blocks] block ids -> keys or values [B, kv_heads, max_blocks * block_size, d]
+    in the queries' `dtype`.
 
     index_select on the flattened table: several times faster on CPU than advanced indexing.
     """
     b = block_tables.shape[0]
     g = cache.index_select(0, block_tables.flatten())  # [B * max_blocks, block_size, kv, d]
-    return g.view(b, -1, *cache.shape[2:]).transpose(1, 2)
+    return g.view(b, -1, *cache.shape[2:]).transpose(1, 2).to(dtype)
 
 
 def paged_attention(
@@ -119,8 +121,8 @@ def paged_attention(
     nd = meta.num_decodes
     out = torch.empty_like(q) if meta.prefills or meta.short else None
     if nd:
-        k = _gather(k_cache, meta.decode_block_tables)  # [B, kv, ctx, d]
-        v = _gather(v_cache, meta.decode_block_tables)
+        k = _gather(k_cache, meta.decode_block_tables, q.dtype)  # [B, kv, ctx, d]
+        v = _gather(v_cache, meta.decode_block_tables, q.dtype)
         # One query per sequence: put each kv head's query group where a query length goes,
         # so SDPA needs no GQA expansion of the keys.
         kv_heads = k.shape[1]
@@ -134,8 +136,8 @@ def paged_attention(
         _short_attention(q, k_cache, v_cache, meta.short, scale, out)
     for chunk in meta.prefills:
         ctx = chunk.context_len
-        k = _gather(k_cache, chunk.block_table[None])[0, :, :ctx]  # [kv, ctx, d]
-        v = _gather(v_cache, chunk.block_table[None])[0, :, :ctx]
+        k = _gather(k_cache, chunk.block_table[None], q.dtype)[0, :, :ctx]  # [kv, ctx, d]
+        v = _gather(v_cache, chunk.block_table[None], q.dtype)[0, :, :ctx]
         qc = q[chunk.start : chunk.start + chunk.length].transpose(0, 1)  # [heads, L, d]
         q_pos = torch.arange(ctx - chunk.length, ctx)
         mask = torch.arange(ctx)[None, :] <= q_pos[:, None]  # causal over prefix + chunk
@@ -154,8 +156,8 @@ def _short_attention(
 ) -> None:
     """One SDPA call for all short chunks; as for decodes, each kv head's query group goes
     where a query length goes (rows ordered by token, then head), so no GQA expansion."""
-    k = _gather(k_cache, short.block_tables)  # [B, kv, ctx, d]
-    v = _gather(v_cache, short.block_tables)
+    k = _gather(k_cache, short.block_tables, q.dtype)  # [B, kv, ctx, d]
+    v = _gather(v_cache, short.block_tables, q.dtype)
     b, rows = short.token_index.shape
     kv_heads, d = k.shape[1], q.shape[-1]
     group = q.shape[1] // kv_heads

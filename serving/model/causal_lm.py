@@ -27,9 +27,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op: this runs 4 times per layer
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normalize(x, self.eps)
+
+
+def normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS-normalise the last dimension in fp32, as transformers does, back in x's dtype.
+
+    Written out rather than `F.rms_norm`, which on CPU dispatches to the same ops and more.
+    """
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(eps))).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -80,6 +87,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_cache: torch.Tensor | None = None  # set by the model runner
         self.v_cache: torch.Tensor | None = None
+        # Set with the caches (frozen weights): q_norm's weight per query head, then
+        # k_norm's per kv head, so q and k are normed and rotated as one tensor.
+        self.qk_norm_weight: torch.Tensor | None = None
 
     def forward(
         self,
@@ -89,11 +99,17 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         lead = x.shape[:-1]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(*lead, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim))
-        v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        q, k = rope.apply(q), rope.apply(k)
+        qkv = self.qkv_proj(x)
+        v = qkv[..., self.q_size + self.kv_size :].view(*lead, self.num_kv_heads, self.head_dim)
+        if self.qk_norm_weight is None:
+            q, k = qkv[..., : self.q_size + self.kv_size].split([self.q_size, self.kv_size], -1)
+            q = rope.apply(self.q_norm(q.view(*lead, self.num_heads, self.head_dim)))
+            k = rope.apply(self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim)))
+        else:
+            heads = self.num_heads + self.num_kv_heads
+            qk = qkv[..., : self.q_size + self.kv_size].view(*lead, heads, self.head_dim)
+            qk = rope.apply(self.qk_norm_weight * normalize(qk, self.q_norm.eps))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=-2)
         if meta is None:  # padded batch [B, L, heads, d], no cache
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2),

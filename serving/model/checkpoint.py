@@ -16,6 +16,7 @@ from kernels.formats import FP4Format
 from serving.model import quantization
 from serving.model.causal_lm import CausalLM
 from serving.model.config import CheckpointError, ModelConfig
+from serving.model.dtype import resolve_dtype
 from serving.model.hf_state_dict import FP4_PARTS, from_hf_state_dict, to_hf_state_dict
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -44,11 +45,14 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+def load_checkpoint(path: str | Path, dtype: torch.dtype | str = torch.float32) -> CausalLM:
+    """The model in `dtype`: a torch dtype, or a `--dtype` name (`auto`: the checkpoint's)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
     config = ModelConfig.from_file(path / "config.json")
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype, config.dtype)
     with torch.device("meta"):
         model = CausalLM(config)
     hf = read_safetensors(path)

@@ -51,6 +51,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     # config.json's `quantization_config` (FP4 checkpoints, `serving/model/quantization.py`)
     quantization: dict[str, Any] | None = None
+    dtype: str | None = None  # the weights' dtype as saved (`--dtype auto` computes in it)
 
     @property
     def is_moe(self) -> bool:
@@ -111,6 +112,7 @@ class ModelConfig:
                 eos_token_id=raw.get("eos_token_id"),
                 pad_token_id=raw.get("pad_token_id"),
                 quantization=raw.get("quantization_config"),
+                dtype=raw.get("dtype") or raw.get("torch_dtype"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"malformed config.json: {e!r}") from e

@@ -54,7 +54,8 @@ def grouped_experts(
     """
     if x.shape[0] == 1:
         y = None
-        for e, w in zip(experts[0].tolist(), weights[0].tolist(), strict=True):
+        # Weights rounded to the activations' dtype first, as transformers does.
+        for e, w in zip(experts[0].tolist(), weights[0].to(x.dtype), strict=True):
             o = silu_and_mul(x @ gate_up[e].t()) @ down[e].t() * w
             y = o if y is None else y + o
         return y

@@ -38,17 +38,32 @@ class PagedModel:
     """Takes the model over for inference: its weights are packed (`pack_for_inference`) and
     frozen, and KV cache tensors are attached to its attention modules (MTP layers too)."""
 
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        """`kv_cache_dtype`: default, the model's."""
         self.model = model
         self.block_size = block_size
         cfg = model.config
-        dtype = model.embed_tokens.weight.dtype
+        self.dtype = model.embed_tokens.weight.dtype
+        dtype = kv_cache_dtype or self.dtype
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         pack_for_inference(model)
         blocks = [*model.layers, *(mtp.block for mtp in model.mtp)]
         for layer in blocks:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype)
+            attn = layer.self_attn
+            attn.k_cache = torch.zeros(shape, dtype=dtype)
+            attn.v_cache = torch.zeros(shape, dtype=dtype)
+            attn.qk_norm_weight = torch.cat(
+                (
+                    attn.q_norm.weight.detach().expand(attn.num_heads, -1),
+                    attn.k_norm.weight.detach().expand(attn.num_kv_heads, -1),
+                )
+            )
 
     def prepare(
         self, spans: list[TokenSpan]
@@ -89,9 +104,10 @@ class PagedModel:
                 [offset for _, offset in short],
                 [s.block_table for s, _ in short],
                 bs,
+                self.dtype,
             )
         meta.slot_mapping = torch.cat(slot_parts)
-        meta.prepare(bs)
+        meta.prepare(bs, self.dtype)
         return torch.tensor(ids), torch.tensor(positions), meta
 
     @torch.inference_mode()

@@ -1,5 +1,6 @@
 """The `tierserve` command line: offline generation and one-line errors."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,22 @@ def test_prompt_too_long(random_checkpoint: Path, capsys: pytest.CaptureFixture)
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", str(random_checkpoint), "--max-model-len", "8", "x " * 20])
     assert e.value.code == 2 and "maximum context length" in capsys.readouterr().err
+
+
+def test_generate_in_bfloat16(random_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
+    args = ["generate", "--model", str(random_checkpoint), "--max-tokens", "3"]
+    main([*args, "--dtype", "bfloat16", "--kv-cache-dtype", "auto", "def main():"])
+    assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.skipif(
+    re.search(r"\b(avx512_fp16|amx_fp16)\b", Path("/proc/cpuinfo").read_text()) is not None,
+    reason="this CPU computes in float16",
+)
+def test_a_dtype_the_cpu_lacks_is_one_line(
+    random_checkpoint: Path, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(random_checkpoint), "--dtype", "float16", "hi"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "float16" in err

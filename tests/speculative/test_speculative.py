@@ -115,7 +115,8 @@ def test_stop_strings_budget_cuts_and_preemption_with_drafts(chat_prompts):
         text = out[0].text
         stop = [text[len(text) // 2 : len(text) // 2 + 3]] if len(text) > 8 else []
         params.append(SamplingParams(max_tokens=40, temperature=0.0, stop=stop))
-    block_bytes = kv_bytes_per_block(_engine(None).model.config, 16, torch.float32)
+    model = _engine(None).model
+    block_bytes = kv_bytes_per_block(model.config, 16, model.embed_tokens.weight.dtype)
     longest = max(map(len, prompts)) + 40
     # Room for the longest request and a little: the others get preempted.
     small = dict(max_num_batched_tokens=48, kv_cache_bytes=(longest // 16 + 6) * block_bytes)

@@ -1,0 +1,181 @@
+"""The engine through the OpenAI API against the same engine offline, side by side in one run.
+
+Starts `tierserve engine` on the benchmark checkpoint, then at each concurrency runs that many
+client streams, each sending 2 streamed greedy `/v1/completions` requests one after the other
+(prompts of 128 token ids, 128 new tokens, EOS ignored): the client of the llama-server
+comparison in /work/shared/REFERENCE_FIGURES.md. The same prompts then run through an
+`LLMEngine` in this process (the engine's offline figure). Prints generated tokens/s of both
+and their ratio, mean TTFT, inter-token latency p50/p99 (gaps between streamed chunks), and
+the server's startup time to its first /health 200.
+
+    python -m loadtests.bench_api [--concurrency 1 4 16] [--dtype float32] [--enforce-eager]
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from loadtests.bench_engine import build_checkpoint, make_prompts
+from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model.checkpoint import load_checkpoint
+from serving.model.dtype import DTYPES
+from serving.model.sampling import SamplingParams
+
+PROMPT_TOKENS = 128
+REQUESTS_PER_STREAM = 2
+
+
+def start_server(path: Path, port: int, dtype: str, threads: int) -> tuple[subprocess.Popen, float]:
+    """The server and its startup time (spawn to the first /health 200)."""
+    command = [sys.executable, "-c", "from serving.cli import main; main()", "engine"]
+    command += ["--model", str(path), "--port", str(port), "--dtype", dtype]
+    command += ["--served-model-name", "bench"]
+    command += ["--max-num-seqs", "64", "--max-num-batched-tokens", "1024"]
+    env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+    start = time.monotonic()
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+
+
+async def one_request(
+    client: httpx.AsyncClient, prompt: list[int], new: int, gaps: list[float]
+) -> tuple[int, float]:
+    """Tokens generated (the usage chunk's count) and time to the first chunk; appends the
+    gaps between later chunks (vLLM's inter-token latency: a chunk may carry several)."""
+    body = dict(
+        model="bench",
+        prompt=prompt,
+        max_tokens=new,
+        temperature=0.0,
+        ignore_eos=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    start = time.monotonic()
+    tokens, ttft, last = 0, None, start
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            now = time.monotonic()
+            if data.get("usage"):
+                tokens = data["usage"]["completion_tokens"]
+            if not data["choices"]:
+                continue
+            if ttft is None:
+                ttft = now - start
+            else:
+                gaps.append(now - last)
+            last = now
+    return tokens, ttft
+
+
+async def run_api(port: int, prompts: list[list[int]], new: int) -> dict:
+    gaps: list[float] = []
+    ttfts: list[float] = []
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits
+    ) as client:
+
+        async def stream(prompt: list[int]) -> int:
+            total = 0
+            for _ in range(REQUESTS_PER_STREAM):
+                n, ttft = await one_request(client, prompt, new, gaps)
+                total += n
+                ttfts.append(ttft)
+            return total
+
+        start = time.monotonic()
+        counts = await asyncio.gather(*(stream(p) for p in prompts))
+        wall = time.monotonic() - start
+    gaps.sort()
+    return dict(
+        tps=sum(counts) / wall,
+        ttft=statistics.mean(ttfts),
+        itl_p50=gaps[len(gaps) // 2],
+        itl_p99=gaps[int(len(gaps) * 0.99)],
+    )
+
+
+def run_offline(engine: LLMEngine, prompts: list[list[int]], new: int) -> float:
+    """Generated tokens/s, each prompt run twice in a row as the API's streams do."""
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    start = time.monotonic()
+    generated = 0
+    for _ in range(REQUESTS_PER_STREAM):
+        outs = engine.generate(prompts, params)
+        generated += sum(len(o[0].token_ids) for o in outs)
+    return generated / (time.monotonic() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/tierserve-bench-moe-43m"))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--port", type=int, default=8317)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = build_checkpoint(args.checkpoint)
+    server, startup = start_server(path, args.port, args.dtype, args.threads)
+    engine = LLMEngine(
+        load_checkpoint(path, DTYPES[args.dtype]),
+        EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024),
+        eos_token_ids=[],
+    )
+    vocab = engine.model.config.vocab_size
+    rows = []
+    try:
+        warm = make_prompts(2, vocab, seed=99)
+        asyncio.run(run_api(args.port, [p[:PROMPT_TOKENS] for p in warm], 8))
+        run_offline(engine, [p[:PROMPT_TOKENS] for p in warm], 8)
+        for c in args.concurrency:
+            prompts = [p[:PROMPT_TOKENS] for p in make_prompts(c, vocab, seed=c)]
+            api = asyncio.run(run_api(args.port, prompts, args.new_tokens))
+            offline = run_offline(engine, prompts, args.new_tokens)
+            rows.append(api | dict(concurrency=c, offline=offline))
+    finally:
+        server.terminate()
+        server.wait()
+    print(
+        f"\n{path.name}, {args.dtype}, {args.threads} threads: streamed greedy /v1/completions, "
+        f"{PROMPT_TOKENS}-token prompts, {args.new_tokens} new tokens, {REQUESTS_PER_STREAM} "
+        f"requests per stream; server startup to /health 200: {startup:.1f} s"
+    )
+    print(
+        "| streams | API tok/s | offline tok/s | API / offline | TTFT ms | ITL p50 ms "
+        "| ITL p99 ms | p99 / p50 |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['concurrency']} | {r['tps']:.0f} | {r['offline']:.0f} "
+            f"| {r['tps'] / r['offline']:.2f} | {r['ttft'] * 1e3:.0f} | {r['itl_p50'] * 1e3:.1f} "
+            f"| {r['itl_p99'] * 1e3:.1f} | {r['itl_p99'] / r['itl_p50']:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""A tier's `dtype` reaches its engine's command line, and one the CPU lacks stops the gateway
+before it starts anything."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from serving.cli import build_parser, command_modules
+from serving.gateway.config import GatewayConfig, GatewayConfigError, check_checkpoints
+from serving.gateway.supervisor import engine_command
+
+
+def _config(model: Path, dtype: str) -> GatewayConfig:
+    tier = {"model": str(model), "dtype": dtype, "kv_cache_dtype": "auto"}
+    fast = tier | {"served_model_name": "fast"}
+    return GatewayConfig.model_validate({"tiers": {"full": tier, "highspeed": fast}})
+
+
+def test_tier_dtype_is_passed_to_the_engine(random_checkpoint: Path) -> None:
+    config = _config(random_checkpoint, "bfloat16")
+    check_checkpoints(config)
+    command = engine_command(config.tiers.full, 8123)
+    args = build_parser(command_modules()).parse_args(command[command.index("engine") :])
+    assert (args.dtype, args.kv_cache_dtype) == ("bfloat16", "auto")
+
+
+@pytest.mark.skipif(
+    re.search(r"\b(avx512_fp16|amx_fp16)\b", Path("/proc/cpuinfo").read_text()) is not None,
+    reason="this CPU computes in float16",
+)
+def test_a_tier_dtype_the_cpu_lacks_is_a_config_error(random_checkpoint: Path) -> None:
+    with pytest.raises(GatewayConfigError, match=r"tiers\.full: .*float16"):
+        check_checkpoints(_config(random_checkpoint, "float16"))
