@@ -62,6 +62,7 @@ class DataConfig(BaseModel):
     seed: int = 0  # the first training seed; tasks use seeds seed, seed+1, ...
     natural: float = Field(0.0, ge=0, le=1)  # share of tasks with a reworded prompt
     out_of_domain: float = Field(0.0, ge=0, le=1)  # share of requests outside the domains
+    copy_docs: float = Field(0.0, ge=0, le=1)  # pretrain: share of copy-dense documents
 
     @field_validator("mix")
     @classmethod

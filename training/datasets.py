@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from serving.model.tokenizer import Tokenizer
 from training.config import DataConfig
+from training.copy_text import copy_document
 from training.data import pretrain_documents, sft_examples
 from training.natural import out_of_domain
 from training.tasks import get_domain
@@ -131,9 +132,13 @@ def build_sft(
 
 
 def pretrain_text(data: DataConfig) -> Iterator[str]:
-    """Documents without chat markup, half of them in each style."""
+    """Documents without chat markup, half of them in each style; a share `data.copy_docs`
+    are copy exercises instead (`training.copy_text`)."""
     domains = {name: get_domain(name) for name in data.mix}
     for i, (name, seed, difficulty) in enumerate(draw_tasks(data)):
+        if random.Random(f"copydoc:{data.seed}:{i}").random() < data.copy_docs:
+            yield copy_document(seed)
+            continue
         style = "think" if random.Random(f"style:{data.seed}:{i}").random() < 0.5 else "short"
         yield next(pretrain_documents(domains[name], [seed], [difficulty], style))
 

@@ -1,5 +1,6 @@
 """The SFT curriculum: easy examples first until copying is learned, the domain mix following
-the measured losses, batches a pure function of the log; copy positions; natural prompts."""
+the measured losses, batches a pure function of the log; copy positions; natural prompts;
+copy-dense pretraining text."""
 
 import json
 import random
@@ -9,9 +10,16 @@ import pytest
 
 from serving.model.tokenizer import Tokenizer
 from training.config import CurriculumConfig, DataConfig
+from training.copy_text import copy_document
 from training.curriculum import Curriculum
 from training.data import sft_examples
-from training.datasets import SFTDataset, build_sft, chat_examples, copy_positions
+from training.datasets import (
+    SFTDataset,
+    build_sft,
+    chat_examples,
+    copy_positions,
+    pretrain_text,
+)
 from training.natural import CAPABILITIES, naturalize
 from training.tasks import get_domain
 
@@ -131,3 +139,26 @@ def test_out_of_domain_requests_get_the_capabilities(tokenizer: Tokenizer, tmp_p
     path = build_sft(data, "think", tokenizer, tmp_path / "sft.jsonl", 1024)
     rows = SFTDataset(path, 0).rows
     assert {r["domain"] for r in rows} == {"math", "code", "terminal", "tools", "other"}
+
+
+def test_copy_documents_ask_only_for_what_came_before() -> None:
+    for seed in range(30):
+        for exercise in copy_document(seed).split("\n\n"):
+            lines = exercise.splitlines()
+            if lines[0].startswith(("Text: ", "List: ")):
+                assert lines[1].split(": ", 1)[1] == lines[0].split(": ", 1)[1]
+            elif lines[0].startswith("Values: "):
+                values = lines[0].removeprefix("Values: ").split(", ")
+                assert list(json.loads(lines[1].removeprefix("As JSON: ")).values()) == values
+            else:
+                table = dict(line.split(" = ") for line in lines if " = " in line)
+                for line in lines:
+                    if line.startswith("What is "):
+                        key, value = line.removeprefix("What is ").split("? ", 1)
+                        assert table[key] == value
+
+
+def test_pretraining_text_mixes_in_copy_documents() -> None:
+    docs = list(pretrain_text(DataConfig(examples=60, copy_docs=0.5, seed=1)))
+    copies = sum(doc.startswith(("Text: ", "List: ", "Values: ", "k")) for doc in docs)
+    assert 15 <= copies <= 45
