@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine
 from serving.gateway.config import GatewayConfigError
 from serving.gateway.loadtest import LoadTestError, add_loadtest
+from serving.model.checkpoint import sampling_defaults
 from serving.model.config import CheckpointError
 from serving.model.dtype import DTYPE_CHOICES, UnsupportedDtypeError
 from serving.model.sampling import SamplingParams
@@ -87,6 +88,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.kv_cache_dtype,
         help="the KV cache's (auto: the model's --dtype)",
     )
+    parser.add_argument(
+        "--generation-config",
+        choices=["auto", "vllm"],
+        default="auto",
+        help="sampling fields a request leaves unset: auto = the checkpoint's "
+        "generation_config.json, vllm = the neutral defaults (temperature 1.0)",
+    )
 
 
 def run_engine(args: argparse.Namespace) -> None:
@@ -100,6 +108,7 @@ def run_engine(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         engine_config=_engine_config(args),
         model_name=args.served_model_name,
+        generation_config=args.generation_config,
     )
 
 
@@ -126,7 +135,10 @@ def run_generate(args: argparse.Namespace) -> None:
     prompt = args.prompt
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    settings = sampling_defaults(args.model, args.generation_config)
+    if args.temperature is not None:
+        settings["temperature"] = args.temperature
+    params = SamplingParams(max_tokens=args.max_tokens, **settings)
     [[output]] = engine.generate([tokenizer.encode(prompt)], params)
     print(output.text)
 
@@ -135,7 +147,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("generate", help="complete one prompt offline and print it")
     _add_engine_args(parser)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--temperature", type=float, help="default: --generation-config's (auto: the checkpoint's)"
+    )
     parser.add_argument("--chat", action="store_true", help="render the chat template first")
     parser.add_argument("prompt")
     parser.set_defaults(run=run_generate)

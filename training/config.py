@@ -60,6 +60,9 @@ class DataConfig(BaseModel):
     mix: dict[str, float] = {"math": 0.35, "code": 0.25, "terminal": 0.2, "tools": 0.2}
     difficulties: list[int] = [1, 2, 3]
     seed: int = 0  # the first training seed; tasks use seeds seed, seed+1, ...
+    natural: float = Field(0.0, ge=0, le=1)  # share of tasks with a reworded prompt
+    out_of_domain: float = Field(0.0, ge=0, le=1)  # share of requests outside the domains
+    copy_docs: float = Field(0.0, ge=0, le=1)  # pretrain: share of copy-dense documents
 
     @field_validator("mix")
     @classmethod
@@ -104,6 +107,23 @@ class RLConfig(BaseModel):
     domain_weighting: Literal["progress", "fixed"] = "progress"
 
 
+class CurriculumConfig(BaseModel):
+    """SFT's order of examples (training/curriculum.py): the first difficulties alone until
+    the loss at copy positions falls below a threshold, then all; each domain's share
+    follows its measured loss."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    first_difficulties: list[int] = [1]
+    copy_loss_threshold: float = Field(0.5, gt=0)  # the EMA of the copy-position loss
+    max_first_steps: int = Field(300, ge=0)  # move on regardless after this many steps
+    loss_power: float = Field(1.0, ge=0)  # share ∝ data share * loss**power; 0: data's mix
+    min_share: float = Field(0.05, ge=0, le=1)  # no domain falls below this share
+    ema: float = Field(0.9, ge=0, lt=1)  # smoothing of the measured losses
+    heldout_examples: int = Field(64, ge=1)  # copy-position loss printed with every eval
+
+
 class StageConfig(BaseModel):
     """One stage: where its model comes from, what data it sees, how it trains."""
 
@@ -119,6 +139,7 @@ class StageConfig(BaseModel):
     kd_temperature: float = Field(1.0, gt=0)  # draft: softmax temperature of distillation
     dpo: DPOConfig = DPOConfig()
     rl: RLConfig = RLConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()  # sft only
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:

@@ -6,9 +6,11 @@ difficulty and seed range always give the same data. Seeds come from the trainin
 """
 
 import copy
+import random
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from training.natural import naturalize
 from training.tasks.base import Domain, Style, Task
 from training.tasks.seeds import train_seed
 
@@ -22,7 +24,11 @@ def tasks(domain: Domain, seeds: Iterable[int], difficulties: Iterable[int]) -> 
 
 
 def sft_examples(
-    domain: Domain, seeds: Iterable[int], difficulties: Iterable[int], style: Style
+    domain: Domain,
+    seeds: Iterable[int],
+    difficulties: Iterable[int],
+    style: Style,
+    natural: float = 0.0,
 ) -> Iterator[dict[str, Any]]:
     """Chat-format SFT examples: the reference solution played through a real episode, so
     multi-turn tasks carry the true observations. Examples whose reference does not verify
@@ -31,9 +37,18 @@ def sft_examples(
     `turns` pairs each assistant turn's raw text (what the model must generate) with the
     conversation before it (what it is prompted with): the chat template drops earlier
     turns' reasoning, so a multi-turn episode is trained one turn at a time, in exactly the
-    context inference gives it."""
+    context inference gives it.
+
+    A share `natural` of the tasks get a reworded prompt, sometimes under a system prompt
+    (`training.natural`)."""
     for task in tasks(domain, seeds, difficulties):
+        system = None
+        rng = random.Random(f"natural:{task.domain}:{task.seed}:{task.difficulty}")
+        if rng.random() < natural:
+            task, system = naturalize(task, rng)
         episode = domain.start(task)
+        if system is not None:
+            episode.messages.insert(0, {"role": "system", "content": system})
         turns: list[tuple[list[dict[str, Any]], str]] = []
         try:
             for turn in domain.reference(task, style):

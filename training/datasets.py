@@ -25,7 +25,9 @@ from tqdm import tqdm
 
 from serving.model.tokenizer import Tokenizer
 from training.config import DataConfig
+from training.copy_text import copy_document
 from training.data import pretrain_documents, sft_examples
+from training.natural import out_of_domain
 from training.tasks import get_domain
 from training.tasks.base import Style
 from training.tokenizer import PAD_TOKEN
@@ -38,6 +40,10 @@ class Batch:
     input_ids: torch.Tensor  # [B, L]
     labels: torch.Tensor  # [B, L]: the token to predict at each position, or IGNORE
     padding_mask: torch.Tensor  # [B, L] True on real tokens
+    # SFT only: True where the label is a copy position (`copy_positions`), and each row's
+    # domain, for the curriculum's copy-position and per-domain losses.
+    copy_mask: torch.Tensor | None = None
+    domains: list[str] | None = None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -59,9 +65,14 @@ def draw_tasks(data: DataConfig) -> Iterator[tuple[str, int, int]]:
 
 
 def chat_examples(data: DataConfig, style: Style) -> Iterator[dict]:
+    """The SFT conversations; a share `data.out_of_domain` of them are requests outside the
+    domains, answered with what the tier can do."""
     domains = {name: get_domain(name) for name in data.mix}
-    for name, seed, difficulty in draw_tasks(data):
-        yield next(sft_examples(domains[name], [seed], [difficulty], style))
+    for i, (name, seed, difficulty) in enumerate(draw_tasks(data)):
+        if random.Random(f"ood:{data.seed}:{i}").random() < data.out_of_domain:
+            yield out_of_domain(seed, style)
+        else:
+            yield next(sft_examples(domains[name], [seed], [difficulty], style, data.natural))
 
 
 def _write_atomic(path: Path, write) -> None:
@@ -73,11 +84,27 @@ def _write_atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def copy_positions(
+    messages: list[dict], tools: list[dict] | None, completion: list[int], tokenizer: Tokenizer
+) -> list[int]:
+    """Completion positions whose token appears in the request (user and tool messages, the
+    tool schemas) and holds a letter or digit: the values a model must copy (operands, names,
+    arguments). Their loss is what the curriculum watches."""
+    texts = [m["content"] for m in messages if m["role"] in ("user", "tool") and m.get("content")]
+    texts += [json.dumps(tool, ensure_ascii=False) for tool in tools or []]
+    source = {t for text in texts for t in tokenizer.encode(text)}
+    return [
+        j
+        for j, t in enumerate(completion)
+        if t in source and any(c.isalnum() for c in tokenizer.decode([t]))
+    ]
+
+
 def build_sft(
     data: DataConfig, style: Style, tokenizer: Tokenizer, out: Path, seq_len: int
 ) -> Path:
-    """Write `out` (JSONL: domain, prompt ids, completion ids); turns longer than `seq_len`
-    are left out and counted on the progress bar."""
+    """Write `out` (JSONL: domain, difficulty, prompt ids, completion ids, copy positions);
+    turns longer than `seq_len` are left out and counted on the progress bar."""
     eos = tokenizer.raw.token_to_id(tokenizer.eos_token)
     rows, skipped = [], 0
     bar = tqdm(chat_examples(data, style), total=data.examples, desc=f"sft data ({style})")
@@ -89,7 +116,13 @@ def build_sft(
                 skipped += 1
                 bar.set_postfix(too_long=skipped)
                 continue
-            row = {"domain": example["domain"], "prompt": prompt, "completion": completion}
+            row = {
+                "domain": example["domain"],
+                "difficulty": example["difficulty"],
+                "prompt": prompt,
+                "completion": completion,
+                "copy": copy_positions(messages, example.get("tools"), completion, tokenizer),
+            }
             rows.append(json.dumps(row) + "\n")
     if not rows:
         raise ValueError(f"no SFT example fits seq_len={seq_len}")
@@ -99,9 +132,13 @@ def build_sft(
 
 
 def pretrain_text(data: DataConfig) -> Iterator[str]:
-    """Documents without chat markup, half of them in each style."""
+    """Documents without chat markup, half of them in each style; a share `data.copy_docs`
+    are copy exercises instead (`training.copy_text`)."""
     domains = {name: get_domain(name) for name in data.mix}
     for i, (name, seed, difficulty) in enumerate(draw_tasks(data)):
+        if random.Random(f"copydoc:{data.seed}:{i}").random() < data.copy_docs:
+            yield copy_document(seed)
+            continue
         style = "think" if random.Random(f"style:{data.seed}:{i}").random() < 0.5 else "short"
         yield next(pretrain_documents(domains[name], [seed], [difficulty], style))
 
@@ -175,8 +212,13 @@ class SFTDataset:
         input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
         label_ids = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+        copy = torch.zeros(len(seqs), width, dtype=torch.bool)
         for b, (s, t) in enumerate(zip(seqs, labels, strict=True)):
             input_ids[b, : len(s)] = torch.tensor(s)
             label_ids[b, : len(t)] = torch.tensor(t)
             mask[b, : len(s)] = True
-        return Batch(input_ids, label_ids, mask)
+            row = self.rows[indices[b]]
+            offset = len(row["prompt"]) - 1
+            copy[b, [offset + j for j in row.get("copy", [])]] = True
+        domains = [self.rows[i]["domain"] for i in indices]
+        return Batch(input_ids, label_ids, mask, copy, domains)

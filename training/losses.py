@@ -18,6 +18,15 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy [B, L], 0 where the label is IGNORE (fp32): for losses
+    broken down by position kind or domain."""
+    flat = F.cross_entropy(
+        logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE, reduction="none"
+    )
+    return flat.view(labels.shape)
+
+
 def load_balancing_loss(
     router_logits: list[torch.Tensor], top_k: int, token_mask: torch.Tensor
 ) -> torch.Tensor:

@@ -118,6 +118,13 @@ def _size_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
 
 
+def recommend_sampling(model_dir: Path, settings: dict[str, float]) -> None:
+    """Add the recipe's recommended sampling settings to generation_config.json, which the
+    engine applies to requests that leave them unset (`--generation-config auto`)."""
+    path = model_dir / "generation_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | settings, indent=2) + "\n")
+
+
 def write_card(model_dir: Path, title: str, how: str, table: str, command: str) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     params = sum(p.numel() for p in load_checkpoint(model_dir).parameters())  # tied: once
@@ -221,6 +228,7 @@ def run_recipe(
         target = published[tier]
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(model_dir, target)
+        recommend_sampling(target, recipe.get("generation", {}))
         table = tables.get(tier, "(not evaluated on the domains: a drafter, see above)")
         write_card(target, f"{name}-{tier}", hows[tier], table, command)
     summary = {

@@ -18,6 +18,7 @@ from serving.model.checkpoint import load_checkpoint, save_checkpoint
 from serving.model.config import ModelConfig
 from serving.model.tokenizer import Tokenizer
 from training.config import ConfigError, StageConfig, TrainConfig
+from training.curriculum import Curriculum, domain_sums
 from training.datasets import (
     IGNORE,
     Batch,
@@ -33,15 +34,22 @@ from training.losses import (
     router_z_loss,
     shift_labels,
     token_loss_sum,
+    token_losses,
 )
 from training.rl_trainer import RLTrainer
 from training.tasks import harness
 from training.tokenizer import EOS_TOKEN, PAD_TOKEN
 from training.trainer import EvalFn, LossFn, LossParts, Trainer, init_distributed
 
+# Training seeds of the held-out SFT examples: far past any run's own (still below the
+# evaluation seed space, which is the harness's alone).
+HELDOUT_SEED_OFFSET = 2_000_000_000
 
-def lm_loss(cfg: TrainConfig) -> LossFn:
-    """Next-token cross-entropy, plus the MoE router losses and lambda * the MTP loss."""
+
+def lm_loss(cfg: TrainConfig, domains: list[str] | None = None) -> LossFn:
+    """Next-token cross-entropy, plus the MoE router losses and lambda * the MTP loss. With
+    `domains` (the curriculum's), also the summed cross-entropy at copy positions and per
+    domain, with their counts, as metrics."""
 
     def loss(model: CausalLM, batch: Batch) -> LossParts:
         router_logits: list[torch.Tensor] | None = [] if model.config.is_moe else None
@@ -51,10 +59,16 @@ def lm_loss(cfg: TrainConfig) -> LossFn:
             padding_mask=batch.padding_mask,
             router_logits=router_logits,
         )
-        ce_sum = token_loss_sum(model.compute_logits(hidden), batch.labels)
+        logits = model.compute_logits(hidden)
+        metrics: dict[str, float] = {}
+        if domains is None:
+            ce_sum = token_loss_sum(logits, batch.labels)
+        else:
+            ce = token_losses(logits, batch.labels)
+            ce_sum = ce.sum()
+            metrics |= loss_breakdown(ce.detach(), batch, domains)
         token_sum = ce_sum
         extra = torch.zeros(())
-        metrics: dict[str, float] = {}
         if router_logits:
             aux = load_balancing_loss(
                 router_logits, model.config.num_experts_per_tok, batch.padding_mask
@@ -74,6 +88,20 @@ def lm_loss(cfg: TrainConfig) -> LossFn:
         return LossParts(token_sum, ce_sum, extra, metrics)
 
     return loss
+
+
+def loss_breakdown(ce: torch.Tensor, batch: Batch, domains: list[str]) -> dict[str, float]:
+    """Summed cross-entropy and target counts at copy positions and per domain, every key
+    always present (the trainer all-reduces metrics by position)."""
+    assert batch.copy_mask is not None and batch.domains is not None  # SFT batches
+    targets = batch.labels != IGNORE
+    out = {"copy_ce_sum": float(ce[batch.copy_mask].sum()), "copy_n": float(batch.copy_mask.sum())}
+    for d in domains:
+        rows = torch.tensor([x == d for x in batch.domains])
+        ce_key, n_key = domain_sums(d)
+        out[ce_key] = float(ce[rows].sum())
+        out[n_key] = float(targets[rows].sum())
+    return out
 
 
 def distill_loss(teacher: CausalLM, temperature: float) -> LossFn:
@@ -106,13 +134,33 @@ def export(model: CausalLM, out: Path, tokenizer_dir: Path, dtype: torch.dtype) 
     return out
 
 
+def heldout_copy_loss(model: CausalLM, heldout: SFTDataset) -> float:
+    """Mean cross-entropy at copy positions of SFT examples the run does not train on."""
+    total = count = 0.0
+    with torch.inference_mode():
+        for start in range(0, len(heldout), 8):
+            batch = heldout.collate(list(range(start, min(start + 8, len(heldout)))))
+            hidden = model(batch.input_ids, batch.positions, padding_mask=batch.padding_mask)
+            ce = token_losses(model.compute_logits(hidden), batch.labels)
+            assert batch.copy_mask is not None  # an SFT batch
+            total += float(ce[batch.copy_mask].sum())
+            count += float(batch.copy_mask.sum())
+    return total / max(count, 1.0)
+
+
 def harness_eval(
-    out_dir: Path, tokenizer_dir: Path, cfg: TrainConfig, domains: list[str]
+    out_dir: Path,
+    tokenizer_dir: Path,
+    cfg: TrainConfig,
+    domains: list[str],
+    heldout: SFTDataset | None = None,
 ) -> EvalFn:
     """Held-out completion rate per domain through the eval harness (training/tasks) and our
-    engine, with the markdown table written to `OUT/eval-step-N.md`."""
+    engine, with the markdown table written to `OUT/eval-step-N.md`; with `heldout`, the
+    copy-position loss on it too (`copy_loss`)."""
 
     def evaluate(model: CausalLM, step: int) -> dict[str, float]:
+        copy = {} if heldout is None else {"copy_loss": heldout_copy_loss(model, heldout)}
         snapshot = export(model, out_dir / "eval-model", tokenizer_dir, torch.float32)
         records = asyncio.run(
             harness.run(
@@ -127,9 +175,12 @@ def harness_eval(
         )
         rows = harness.summarize(records)
         table = harness.format_table(rows)
+        if copy:
+            table += f"\n\nheld-out copy-position loss: {copy['copy_loss']:.3f}"
         (out_dir / f"eval-step-{step + 1}.md").write_text(table + "\n")
         print(f"\nheld-out eval at step {step + 1}:\n{table}", flush=True)
-        return {r["domain"]: r["completion_rate"] for r in rows if r["difficulty"] == "all"}
+        rates = {r["domain"]: r["completion_rate"] for r in rows if r["difficulty"] == "all"}
+        return rates | copy
 
     return evaluate
 
@@ -155,6 +206,19 @@ def _new_model(shape: dict, tokenizer: Tokenizer, mtp: bool, seed: int) -> Causa
     return model
 
 
+def _evaluate(
+    config: StageConfig,
+    out_dir: Path,
+    tok_dir: Path,
+    domains: list[str],
+    heldout: SFTDataset | None,
+) -> EvalFn | None:
+    """The held-out evaluation of the stages that train the tiers' policies."""
+    if config.stage not in ("sft", "dpo", "rl"):
+        return None
+    return harness_eval(out_dir, tok_dir, config.train, domains, heldout)
+
+
 def run_stage(config: StageConfig, out_dir: Path) -> Path:
     """Train one stage into `out_dir`; returns the exported model directory."""
     init_distributed()
@@ -171,15 +235,16 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
     pad_id = tokenizer.raw.token_to_id(PAD_TOKEN)
     data_dir = out_dir / "data"
     domains = list(config.data.mix)
-    evaluate = (
-        harness_eval(out_dir, tok_dir, cfg, domains)
-        if config.stage in ("sft", "dpo", "rl")
-        else None
-    )
+    curriculum: Curriculum | None = None
+    heldout: SFTDataset | None = None
     if config.stage == "rl":
-        trainer: Trainer = RLTrainer(config, tokenizer, pad_id, out_dir, evaluate)
+        trainer: Trainer = RLTrainer(
+            config, tokenizer, pad_id, out_dir, _evaluate(config, out_dir, tok_dir, domains, None)
+        )
     elif config.stage == "dpo":
-        trainer = DPOTrainer(config, tokenizer, pad_id, out_dir, evaluate)
+        trainer = DPOTrainer(
+            config, tokenizer, pad_id, out_dir, _evaluate(config, out_dir, tok_dir, domains, None)
+        )
     elif config.stage == "pretrain":
         if config.shape is None:
             raise ConfigError("the pretrain stage needs `shape`: the model's config.json fields")
@@ -201,14 +266,42 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
         dataset = SFTDataset(path, pad_id)
         if config.stage == "sft":
             model = load_checkpoint(config.init)
-            loss = lm_loss(cfg)
+            if config.curriculum.enabled:
+                curriculum = Curriculum(dataset, config.curriculum, cfg.seed)
+                heldout_data = config.data.model_copy(
+                    update={
+                        "seed": config.data.seed + HELDOUT_SEED_OFFSET,
+                        "examples": config.curriculum.heldout_examples,
+                    }
+                )
+                heldout_path = _build_once(
+                    data_dir / f"heldout-{style}.jsonl",
+                    lambda: build_sft(
+                        heldout_data,
+                        style,
+                        tokenizer,
+                        data_dir / f"heldout-{style}.jsonl",
+                        cfg.seq_len,
+                    ),
+                )
+                heldout = SFTDataset(heldout_path, pad_id)
+            loss = lm_loss(cfg, curriculum.domains if curriculum else None)
         else:
             if config.shape is None:
                 raise ConfigError("the draft stage needs `shape`: the drafter's config.json fields")
             model = _new_model(config.shape, tokenizer, False, cfg.seed)
             loss = distill_loss(load_checkpoint(config.init), config.kd_temperature)
     if config.stage not in ("dpo", "rl"):
-        trainer = Trainer(model, cfg, dataset, out_dir, loss, evaluate, desc=config.stage)
+        trainer = Trainer(
+            model,
+            cfg,
+            dataset,
+            out_dir,
+            loss,
+            _evaluate(config, out_dir, tok_dir, domains, heldout),
+            desc=config.stage,
+            sampler=curriculum,
+        )
     model = trainer.fit()
     final = out_dir / "model"
     if dist.get_rank() == 0:

@@ -35,6 +35,14 @@ class Dataset(Protocol):
     def collate(self, indices: list[int]) -> Batch: ...
 
 
+class Sampler(Protocol):
+    """Chooses each step's examples from the log so far (the SFT curriculum), and turns
+    the step's summed metrics into the logged row."""
+
+    def indices(self, step: int, count: int, log: list[dict[str, Any]]) -> list[int]: ...
+    def annotate(self, row: dict[str, Any]) -> None: ...
+
+
 @dataclass
 class LossParts:
     token_sum: torch.Tensor  # the objective summed over target tokens: normalised here
@@ -97,12 +105,13 @@ class Trainer:
         loss_fn: LossFn,
         evaluate: EvalFn | None = None,
         desc: str = "train",
+        sampler: Sampler | None = None,
     ) -> None:
         import deepspeed
 
         init_distributed()
         self.cfg, self.dataset, self.loss_fn, self.evaluate = cfg, dataset, loss_fn, evaluate
-        self.out_dir, self.desc = Path(out_dir), desc
+        self.out_dir, self.desc, self.sampler = Path(out_dir), desc, sampler
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # None for a stage that overrides `micro_batches` (RL draws examples from its policy).
         self.order = SampleOrder(len(dataset), cfg.seed) if dataset is not None else None
@@ -130,13 +139,15 @@ class Trainer:
 
     def micro_batches(self, step: int) -> list[Batch]:
         cfg = self.cfg
-        base = step * cfg.micro_batch * cfg.grad_accum * self.world
+        size = cfg.micro_batch * cfg.grad_accum * self.world
+        if self.sampler is not None:
+            chosen = self.sampler.indices(step, size, self.log)
+        else:
+            chosen = [self.order[k] for k in range(step * size, (step + 1) * size)]
         out = []
         for m in range(cfg.grad_accum):
-            start = base + (m * self.world + self.rank) * cfg.micro_batch
-            out.append(
-                self.dataset.collate([self.order[k] for k in range(start, start + cfg.micro_batch)])
-            )
+            start = (m * self.world + self.rank) * cfg.micro_batch
+            out.append(self.dataset.collate(chosen[start : start + cfg.micro_batch]))
         return out
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -235,8 +246,13 @@ class Trainer:
             t0 = time.perf_counter()
             row = self.train_step(step)
             row["tokens_per_s"] = row["tokens"] / (time.perf_counter() - t0)
+            postfix = {"loss": f"{row['loss']:.3f}", "tok_s": f"{row['tokens_per_s']:.0f}"}
+            if self.sampler is not None:
+                self.sampler.annotate(row)
+                if row["copy_loss"] is not None:
+                    postfix |= {"copy": f"{row['copy_loss']:.3f}", "phase": row["phase"]}
             self.log.append(row)
-            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.set_postfix(postfix)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 self._evaluate(step)
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:

@@ -29,6 +29,7 @@ from serving.api_server.serving_completion import completions_router
 from serving.api_server.serving_engine import APIError, OpenAIServing
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model.checkpoint import GenerationConfigMode, sampling_defaults
 from serving.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -73,10 +74,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(
-    engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, api_key: str | None = None
+    engine: AsyncEngine,
+    tokenizer: Tokenizer,
+    model_name: str,
+    api_key: str | None = None,
+    sampling_defaults: dict[str, float] | None = None,
 ) -> FastAPI:
-    """The app over a running engine; the caller owns the engine (and stops it)."""
-    serving = OpenAIServing(engine, tokenizer, model_name, ServerMetrics(engine.engine, model_name))
+    """The app over a running engine; the caller owns the engine (and stops it).
+    `sampling_defaults` fill the sampling fields a request leaves unset."""
+    metrics = ServerMetrics(engine.engine, model_name)
+    serving = OpenAIServing(engine, tokenizer, model_name, metrics, dict(sampling_defaults or {}))
     app = FastAPI(title="tierserve", summary=f"OpenAI-compatible server for {model_name}")
     if api_key:
         app.add_middleware(APIKeyAuth, api_keys=[api_key])
@@ -137,14 +144,24 @@ def serve(
     api_key: str | None = None,
     engine_config: EngineConfig | None = None,
     model_name: str | None = None,
+    generation_config: GenerationConfigMode = "auto",
 ) -> None:
     """Load a checkpoint and serve it until interrupted; the model is named after its
-    directory unless `model_name` says otherwise."""
+    directory unless `model_name` says otherwise. With `generation_config="auto"` requests
+    inherit the checkpoint's recommended sampling settings, as vLLM does."""
+    defaults = sampling_defaults(model_dir, generation_config)
+    if defaults:
+        log.info(
+            "Default sampling parameters from the checkpoint's generation_config.json: %s "
+            "(--generation-config vllm ignores them)",
+            defaults,
+        )
     engine = LLMEngine.from_checkpoint(model_dir, engine_config)
     assert engine.tokenizer is not None  # from_checkpoint always loads one
     aengine = AsyncEngine(engine)
     name = model_name or Path(model_dir).resolve().name
     try:
-        uvicorn.run(build_app(aengine, engine.tokenizer, name, api_key), host=host, port=port)
+        app = build_app(aengine, engine.tokenizer, name, api_key, defaults)
+        uvicorn.run(app, host=host, port=port)
     finally:
         aengine.stop()

@@ -6,6 +6,7 @@ versions still work. Unsupported features that would change the answer (`logit_b
 """
 
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -129,15 +130,26 @@ class SamplingRequest(BaseModel):
         return self
 
     def _sampling_params(
-        self, max_tokens: int, logprobs: int | None, **extra: Any
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        defaults: Mapping[str, float],
+        **extra: Any,
     ) -> SamplingParams:
+        """Fields the request leaves unset take the checkpoint's recommended `defaults`
+        (its generation_config.json, as vLLM applies it), else the neutral values."""
+
+        def pick(name: str, neutral: float) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, neutral) if value is None else value
+
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=int(pick("top_k", 0)),
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             seed=self.seed,
@@ -178,7 +190,9 @@ class ChatCompletionRequest(SamplingRequest):
                 raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
         return self
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self, default_max_tokens: int, defaults: Mapping[str, float]
+    ) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         json_object = (
@@ -191,7 +205,7 @@ class ChatCompletionRequest(SamplingRequest):
         elif self.tool_choice == "required":
             tool_names = [tool.function.name for tool in self.tools or []]
         return self._sampling_params(
-            max_tokens, logprobs, json_object=json_object, tool_names=tool_names
+            max_tokens, logprobs, defaults, json_object=json_object, tool_names=tool_names
         )
 
 
@@ -216,11 +230,16 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("best_of is not supported unless it equals n")
         return self
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self, default_max_tokens: int, defaults: Mapping[str, float]
+    ) -> SamplingParams:
         # echo returns the prompt too, so its logprobs as well.
         prompt_logprobs = self.logprobs if self.echo else None
         return self._sampling_params(
-            self.max_tokens or default_max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs
+            self.max_tokens or default_max_tokens,
+            self.logprobs,
+            defaults,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

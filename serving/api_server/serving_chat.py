@@ -198,7 +198,9 @@ def chat_router(serving: OpenAIServing) -> APIRouter:
             body.chat_template_kwargs,
         )
         prompt_ids = serving.tokenizer.encode(prompt)
-        params = body.to_sampling_params(serving.default_max_tokens(prompt_ids))
+        params = body.to_sampling_params(
+            serving.default_max_tokens(prompt_ids), serving.sampling_defaults
+        )
         engine_request = serving.validate(prompt_ids, params)
         # Templates that open the reasoning for the model (R1-style) end the prompt in <think>.
         in_reasoning = prompt.rstrip().endswith(THINK_START)

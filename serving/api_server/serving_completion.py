@@ -90,7 +90,7 @@ def _prompts(serving: OpenAIServing, body: CompletionRequest) -> list[_Prompt]:
         else:
             text = serving.tokenizer.decode(p, skip_special_tokens=False) if body.echo else ""
             ids = p
-        params = body.to_sampling_params(serving.default_max_tokens(ids))
+        params = body.to_sampling_params(serving.default_max_tokens(ids), serving.sampling_defaults)
         prompts.append(_Prompt(text, serving.validate(ids, params)))
     return prompts
 

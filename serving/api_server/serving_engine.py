@@ -6,7 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -177,6 +177,8 @@ class OpenAIServing:
     tokenizer: Tokenizer
     model_name: str
     metrics: ServerMetrics
+    # What requests that leave sampling fields unset inherit (`sampling_defaults`).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
     @property
     def max_model_len(self) -> int:

@@ -7,6 +7,7 @@ are loaded into FP4 modules, and `quantize_checkpoint` writes them.
 import json
 import shutil
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -20,6 +21,10 @@ from serving.model.dtype import resolve_dtype
 from serving.model.hf_state_dict import FP4_PARTS, from_hf_state_dict, to_hf_state_dict
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# The generation_config.json fields a request inherits when it leaves them unset (those of
+# vLLM's `get_diff_sampling_param`, less max_new_tokens).
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GenerationConfigMode = Literal["auto", "vllm"]
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -95,6 +100,29 @@ def save_checkpoint(
         if getattr(model.config, key) is not None:
             gen.setdefault(key, getattr(model.config, key))
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def sampling_defaults(path: str | Path, mode: GenerationConfigMode) -> dict[str, float]:
+    """The sampling settings the checkpoint's creator recommends (`auto`: its
+    generation_config.json), which requests that leave a field unset inherit, as vLLM's
+    `--generation-config`; `vllm` ignores the file, so unset fields get the neutral defaults
+    (temperature 1.0)."""
+    file = Path(path) / "generation_config.json"
+    if mode == "vllm" or not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: {e}") from e
+    defaults = {}
+    for key in SAMPLING_DEFAULT_FIELDS:
+        value = raw.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CheckpointError(f"{file}: {key} must be a number, not {value!r}")
+        defaults[key] = int(value) if key == "top_k" else float(value)
+    return defaults
 
 
 def quantize_checkpoint(src: Path, out: Path, format: FP4Format, all_linear: bool) -> None:

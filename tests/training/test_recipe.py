@@ -94,6 +94,8 @@ def test_shipped_models_load_in_transformers_with_our_logits(smoke: Path, tier: 
     assert config["dtype"] == "bfloat16"
     expected_arch = "Qwen3ForCausalLM" if tier == "draft" else "Qwen3MoeForCausalLM"
     assert config["architectures"] == [expected_arch]
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation | {"temperature": 0.0, "top_p": 0.95, "top_k": 20} == generation
     ids = torch.tensor([[5, 17, 99, 3, 250, 42, 7]])
     ours = load_checkpoint(path)
     hidden = ours(ids, torch.arange(ids.shape[1])[None])

@@ -113,9 +113,9 @@ def _column_add(a: int, b: int) -> list[str]:
             break
         x, y = a % 10, b % 10
         total = x + y + carry
-        terms = f"{x} + {y}" + (" + 1" if carry else "")
+        terms = f"{x}+{y}" + ("+1" if carry else "")
         note = f", write {total % 10} carry 1" if total >= 10 else ""
-        lines.append(f"  {_place(i)}: {terms} = {total}{note}")
+        lines.append(f"  {_place(i)}: {terms}={total}{note}")
         a, b, carry, i = a // 10, b // 10, total // 10, i + 1
     return lines
 
@@ -129,40 +129,55 @@ def _column_sub(a: int, b: int) -> list[str]:
             lines.append(f"  higher places copy down: {a}")
             break
         x, y = a % 10, b % 10
-        terms = f"{x}" + (" - 1" if borrow else "") + f" - {y}"
+        terms = f"{x}" + ("-1" if borrow else "") + f"-{y}"
         diff = x - borrow - y
         borrow = int(diff < 0)
         if borrow:
-            lines.append(f"  {_place(i)}: 10 + {terms} = {diff + 10}, borrow 1")
+            lines.append(f"  {_place(i)}: 10+{terms}={diff + 10}, borrow 1")
         else:
-            lines.append(f"  {_place(i)}: {terms} = {diff}")
+            lines.append(f"  {_place(i)}: {terms}={diff}")
         a, b, i = a // 10, b // 10, i + 1
     return lines
 
 
-def _by_places(a: int, d: int) -> list[int]:
-    """The products of one digit d with each non-zero place of a, highest first."""
-    digits = str(a)
-    return [int(c) * 10 ** (len(digits) - 1 - i) * d for i, c in enumerate(digits) if c != "0"]
+def _multiply_digit(a: int, d: int) -> list[str]:
+    """a * d for one digit d in columns, lowest place first: each line multiplies one digit
+    and adds the carry; the highest place writes its whole value."""
+    lines, carry, i = [], 0, 0
+    while a:
+        x, total = a % 10, (a % 10) * d + carry
+        terms = f"{x}*{d}" + (f"+{carry}" if carry else "")
+        note = f", write {total % 10} carry {total // 10}" if total >= 10 and a >= 10 else ""
+        lines.append(f"  {_place(i)}: {terms}={total}{note}")
+        a, carry, i = a // 10, total // 10, i + 1
+    return lines
 
 
 def _multiply(a: int, b: int) -> list[str]:
-    """a * b (non-negative) as partial products by the digits of the shorter operand, each
-    split by the places of the longer one, then their sum."""
+    """a * b (non-negative, both at least 2, one of them multi-digit) in columns when one
+    factor is a single digit; otherwise as partial products by the digits of the shorter
+    operand, each worked in columns and shifted by its place, then summed in columns."""
     long, short = (a, b) if len(str(a)) >= len(str(b)) else (b, a)
-    lines, partials = [], []
+    if short < 10:
+        return [f"  {long} * {short} in columns:", *_multiply_digit(long, short)]
+    lines, total = [f"  {a} * {b} by partial products:"], None
     for i, c in enumerate(reversed(str(short))):
-        if c == "0":
-            continue
         d, scale = int(c), 10**i
-        products = " + ".join(map(str, _by_places(long, d)))
-        if scale == 1:
-            lines.append(f"  {long} * {d} = {products} = {long * d}")
+        if d == 0:
+            continue
+        partial = long * d * scale
+        if d > 1:
+            lines += [f"  {long} * {d} in columns:", *_multiply_digit(long, d)]
+            lines.append(f"  {long} * {d} = {long * d}")
+        if scale > 1:
+            shifted = f" = {long * d} * {scale}" if d > 1 else ""
+            lines.append(f"  {long} * {d * scale}{shifted} = {partial}")
+        if total is not None:
+            lines += [f"  {total} + {partial} in columns:", *_column_add(total, partial)]
+            lines.append(f"  {total} + {partial} = {total + partial}")
+            total += partial
         else:
-            lines.append(f"  {long} * {d * scale} = ({products}) * {scale} = {long * d * scale}")
-        partials.append(long * d * scale)
-    if len(partials) > 1:
-        lines.append(f"  {' + '.join(map(str, partials))} = {sum(partials)}")
+            total = partial
     return lines
 
 
@@ -178,12 +193,11 @@ def _step(op: str, a: int, b: int) -> list[str]:
     x, y = abs(a), abs(b)
     lines = []
     if op == "*":
-        if (max(x, y) >= 100 and min(x, y) >= 2) or min(x, y) >= 10:
+        if max(x, y) >= 10 and min(x, y) >= 2:
             if a < 0 or b < 0:
                 lines.append(f"  {head} = {sign}({x} * {y})")
-            lines.append(f"  {x} * {y} by partial products:")
             lines += _multiply(x, y)
-    elif min(x, y) >= 10 and max(x, y) >= 100:
+    elif max(x, y) >= 10 and min(x, y) >= 1:
         if (op == "+") == ((a < 0) == (b < 0)):  # the magnitudes add up
             magnitudes, work = f"{x} + {y}", _column_add(x, y)
         else:

@@ -77,9 +77,14 @@ def compare_arguments(tool: dict, expected: dict[str, Any], got: dict[str, Any])
 
 
 def check_call(
-    expected: dict[str, Any], calls: list[ToolCall], content: str, reasoning: str | None
+    expected: dict[str, Any],
+    calls: list[ToolCall],
+    content: str,
+    reasoning: str | None,
+    offered: dict[str, dict],
 ) -> str | None:
-    """Why the turn is not exactly the expected call, or None when it is."""
+    """Why the turn is not exactly the expected call, or None when it is; arguments are
+    checked against the schema the request offered (the bank's, or any other)."""
     if not calls:
         if CALL_START in content:
             return "malformed tool call: a <tool_call> block is not valid JSON with a name"
@@ -95,7 +100,7 @@ def check_call(
         return "malformed JSON arguments"
     if not isinstance(got, dict):
         return "malformed JSON arguments: not an object"
-    errors = compare_arguments(BANK[call.name], expected["arguments"], got)
+    errors = compare_arguments(offered[call.name], expected["arguments"], got)
     if len(calls) > 1:
         errors.append(f"extra tool call {calls[1].name}")
     return "; ".join(errors) or None
@@ -108,6 +113,7 @@ class ToolsEpisode(Episode):
     def __init__(self, task: Task, system: str | None = None) -> None:
         super().__init__(task, system)
         self.calls: list[dict[str, Any]] = task.data["calls"]
+        self.offered = {tool["function"]["name"]: tool for tool in task.tools or []}
         self.key: str | None = task.data["key"]
         self.checks = len(self.calls) + (self.key is not None)
         self.passed, self.steps = 0, 0
@@ -127,7 +133,7 @@ class ToolsEpisode(Episode):
         self.messages.append(message)
         if self.passed < len(self.calls):
             expected = self.calls[self.passed]
-            self.failure = check_call(expected, calls, content, reasoning)
+            self.failure = check_call(expected, calls, content, reasoning, self.offered)
             if self.failure is None:
                 self.passed += 1
                 if expected["result"] is not None:

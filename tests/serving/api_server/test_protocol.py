@@ -82,7 +82,7 @@ def test_full_chat_request() -> None:
     assert isinstance(request.messages[0], TextMessage)
     assert isinstance(request.messages[3], AssistantMessage)
     assert request.stream_options.include_usage
-    params = request.to_sampling_params(default_max_tokens=1000)
+    params = request.to_sampling_params(1000, {})
     assert params.max_tokens == 40  # max_completion_tokens wins over the deprecated max_tokens
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.7, 0.9, 20, 0.05)
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
@@ -94,12 +94,12 @@ def test_full_chat_request() -> None:
 
 
 def test_chat_defaults() -> None:
-    params = chat().to_sampling_params(default_max_tokens=123)
+    params = chat().to_sampling_params(123, {})
     assert params.max_tokens == 123
     assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, 0)
     assert params.logprobs is None and params.stop == [] and params.n == 1
-    assert chat(logprobs=True).to_sampling_params(10).logprobs == 0
-    assert chat(temperature=0).to_sampling_params(10).greedy
+    assert chat(logprobs=True).to_sampling_params(10, {}).logprobs == 0
+    assert chat(temperature=0).to_sampling_params(10, {}).greedy
 
 
 @pytest.mark.parametrize(
@@ -154,13 +154,13 @@ def test_completion_prompt_forms(prompt) -> None:
 
 
 def test_completion_sampling_params() -> None:
-    params = completion().to_sampling_params(default_max_tokens=500)
+    params = completion().to_sampling_params(500, {})
     assert params.max_tokens == 16  # OpenAI's completions default
-    assert completion(max_tokens=None).to_sampling_params(500).max_tokens == 500
-    params = completion(logprobs=2, echo=True, stop=["a", "b"], best_of=1).to_sampling_params(9)
+    assert completion(max_tokens=None).to_sampling_params(500, {}).max_tokens == 500
+    params = completion(logprobs=2, echo=True, stop=["a", "b"], best_of=1).to_sampling_params(9, {})
     assert params.logprobs == 2 and params.prompt_logprobs == 2 and params.stop == ["a", "b"]
-    assert completion(logprobs=0).to_sampling_params(9).prompt_logprobs is None
-    assert completion(min_tokens=50, max_tokens=None).to_sampling_params(20).min_tokens == 20
+    assert completion(logprobs=0).to_sampling_params(9, {}).prompt_logprobs is None
+    assert completion(min_tokens=50, max_tokens=None).to_sampling_params(20, {}).min_tokens == 20
 
 
 @pytest.mark.parametrize(

@@ -303,4 +303,4 @@ def test_response_format_json_object_sets_json_object(fmt, expected):
         messages=[{"role": "user", "content": "hi"}],
         response_format=None if fmt is None else {"type": fmt},
     )
-    assert request.to_sampling_params(16).json_object is expected
+    assert request.to_sampling_params(16, {}).json_object is expected

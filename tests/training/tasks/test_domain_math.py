@@ -78,7 +78,7 @@ def test_every_trace_line_is_true_arithmetic(difficulty: int) -> None:
             if "=" not in line:
                 continue
             equation, *notes = line.rstrip(".").split(", ")
-            parts = equation.split(" = ")
+            parts = re.split(r" ?= ?", equation)
             assert len(parts) >= 2 and all(ARITHMETIC.fullmatch(p) for p in parts), line
             values = {eval(p) for p in parts}
             assert len(values) == 1, line
@@ -97,6 +97,25 @@ def test_long_operations_are_worked_digit_by_digit() -> None:
     trace = DOMAIN.reference(task, "think")[0]
     assert "by partial products:" in trace and "in columns:" in trace
     assert "ones: " in trace
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_no_trace_line_does_multi_digit_arithmetic_at_once(difficulty: int) -> None:
+    """Every column line combines single digits (plus a carry or a borrowed ten); the lines
+    that state a multi-digit operation's result only collect the columns above them."""
+    column = re.compile(r"(10\+)?\d([+*-]\d)*([+-]\d)?=\d+")
+    for seed in SEEDS:
+        task = DOMAIN.generate(seed, difficulty)
+        reasoning, _ = split_reasoning(DOMAIN.reference(task, "think")[0])
+        lines = reasoning.splitlines()
+        for i, line in enumerate(lines):
+            match = re.fullmatch(r"\(?(-?\d+)\)? ([+*-]) \(?(-?\d+)\)? = -?\d+", line)
+            sizes = sorted(abs(int(match[k])) for k in (1, 3)) if match else [0, 0]
+            if sizes[0] > 1 and sizes[1] >= 10:
+                assert lines[i - 1].startswith("  "), line  # its working comes first
+            body = LABEL.sub("", line.strip())
+            if line.startswith("  ") and LABEL.match(line.strip()) and "copy down" not in line:
+                assert column.fullmatch(body.split(", ")[0]), line
 
 
 @pytest.mark.parametrize(

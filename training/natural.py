@@ -1,0 +1,141 @@
+"""Prompts as people write them, for training: the generators phrase every task one of a few
+fixed ways, and a small model trained only on those learns the phrasings, not the task.
+
+`naturalize` rewrites a training task's prompt (the verifier reads only `task.data`, so the
+reference solution still scores) and may add a system prompt. `out_of_domain` gives requests
+outside the four domains a short answer saying what the tier can do, instead of noise.
+The held-out evaluation keeps the generators' own prompts.
+"""
+
+import dataclasses
+import random
+from typing import Any
+
+from serving.model.chat_format import reasoning_block
+from training.tasks.base import Style, Task
+from training.tasks.code import DESCRIBE, OPS_BY_NAME, phrases, step_names
+
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a helpful assistant. Answer concisely.",
+    "You are a careful assistant that solves tasks step by step.",
+    "Be brief.",
+    "You are tierserve, a small assistant for arithmetic, Python, shell and tool calls.",
+)
+MATH = (
+    "What is {e}?",
+    "what's {e}",
+    "How much is {e}?",
+    "{e} = ?",
+    "{e}",
+    "{e}=?",
+    "Calculate {e}",
+    "calculate {e} please",
+    "Can you work out {e} for me?",
+    "Please compute {e}.",
+    "Quick question: what does {e} equal?",
+    "I need the value of {e}.",
+    "Solve {e}",
+    "what is {e} equal to?",
+    "Hey, what's {e}?",
+    "Compute {e}",
+    "{e}? Just the number please.",
+    "What do you get for {e}?",
+)
+TIMES = (" * ", " x ", " × ", " times ")
+CODE_HEADS = (
+    "Write a Python function solve({p}) that returns {r}.",
+    "Write a python function solve({p}) which returns {r}.",
+    "I need a function solve({p}) that gives back {r}.",
+    "Can you implement solve({p}) in Python? It should return {r}.",
+    "python: solve({p}) should return {r}",
+    "Implement solve({p}), returning {r}.",
+    "Please write solve({p}) in Python so that it returns {r}.",
+)
+CODE_KINDS = ("", " {p} is {k}.", " ({p} is {k})")
+CODE_TAILS = ("", "", "\n\nAnswer with the complete function in a ```python block.", " Use Python.")
+TOOL_OPENERS = ("", "", "Hey, ", "Hi! ", "Can you help? ", "Quick one: ")
+
+OUT_OF_DOMAIN = (
+    "Tell me a joke.",
+    "Who are you?",
+    "hi",
+    "Hello!",
+    "Write a poem about the sea.",
+    "What's the capital of France?",
+    "Translate 'good morning' into German.",
+    "Summarize the plot of Hamlet.",
+    "What should I cook tonight?",
+    "Can you recommend a good book?",
+    "How are you today?",
+    "Explain quantum computing in simple terms.",
+    "What is the meaning of life?",
+    "Write me a cover letter.",
+    "thanks!",
+    "Who won the world cup in 2010?",
+)
+CAPABILITIES = (
+    "I am a small assistant for four kinds of task: integer arithmetic (e.g. What is 17 * 23?), "
+    "short Python functions, shell tasks in a sandbox, and calling the tools you pass me. "
+    "That request is outside them."
+)
+
+
+def _math(task: Task, rng: random.Random) -> str:
+    expression = task.data["expression"]
+    if "*" in expression and rng.random() < 0.5:
+        expression = expression.replace(" * ", rng.choice(TIMES))
+    return rng.choice(MATH).format(e=expression)
+
+
+def _code(task: Task, rng: random.Random) -> str:
+    chain = task.data["chain"]
+    names, said = step_names(chain), phrases(chain)
+    kind = DESCRIBE[OPS_BY_NAME[chain[0]["op"]].takes]
+    text = rng.choice(CODE_HEADS).format(p=names[0], r=said[-1])
+    text += rng.choice(CODE_KINDS).format(p=names[0], k=kind)
+    if len(chain) > 1:
+        lets = " ".join(f"Let {names[i + 1]} be {said[i]}." for i in range(len(chain) - 1))
+        text += f" Here {lets}"
+    if rng.random() < 0.6:
+        shown = "\n".join(f"solve({a!r}) == {e!r}" for a, e in task.data["examples"])
+        text += f"\n\nFor example:\n{shown}"
+    return text + rng.choice(CODE_TAILS)
+
+
+def _opener(prompt: str, openers: tuple[str, ...], rng: random.Random) -> str:
+    """An informal opener; sometimes without the final full stop."""
+    opener = rng.choice(openers)
+    if opener and prompt[:1].isupper() and not prompt[1:2].isupper():
+        prompt = prompt[0].lower() + prompt[1:]
+    text = opener + prompt
+    return text.rstrip(".") if rng.random() < 0.3 else text
+
+
+def naturalize(task: Task, rng: random.Random) -> tuple[Task, str | None]:
+    """The task with a reworded prompt, and a system prompt (or None)."""
+    if task.domain == "math":
+        prompt = _math(task, rng)
+    elif task.domain == "code":
+        prompt = _code(task, rng)
+    elif task.domain == "tools":
+        prompt = _opener(task.prompt, TOOL_OPENERS, rng)
+    else:  # terminal: the prompt describes the sandbox the commands run in; keep it
+        prompt = task.prompt
+    system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.4 else None
+    return dataclasses.replace(task, prompt=prompt), system
+
+
+def out_of_domain(seed: int, style: Style) -> dict[str, Any]:
+    """An SFT example (the shape of `training.data.sft_examples`' items) of a request outside
+    the domains, answered with what the tier can do."""
+    rng = random.Random(f"ood:{seed}")
+    messages: list[dict[str, Any]] = []
+    if rng.random() < 0.4:
+        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    messages.append({"role": "user", "content": rng.choice(OUT_OF_DOMAIN)})
+    turn = CAPABILITIES
+    if style == "think":
+        turn = reasoning_block("This is not arithmetic, code, a shell task or a tool call.") + turn
+    example = {"messages": [*messages, {"role": "assistant", "content": CAPABILITIES}]}
+    return example | {"turns": [(messages, turn)], "domain": "other", "difficulty": 1}
