@@ -54,6 +54,21 @@ class Batch:
         return int((self.labels != IGNORE).sum())
 
 
+def completion_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> Batch:
+    """(prompt, completion) token rows right-padded to the longest; position t predicts token
+    t + 1, and only the completion's tokens are labels (SFT, DPO and RL all train so)."""
+    width = max(len(prompt) + len(completion) for prompt, completion in rows) - 1
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full_like(input_ids, IGNORE)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, (prompt, completion) in enumerate(rows):
+        ids = prompt + completion
+        input_ids[b, : len(ids) - 1] = torch.tensor(ids[:-1], dtype=torch.long)
+        labels[b, len(prompt) - 1 : len(ids) - 1] = torch.tensor(completion, dtype=torch.long)
+        mask[b, : len(ids) - 1] = True
+    return Batch(input_ids, labels, mask)
+
+
 def draw_tasks(data: DataConfig) -> Iterator[tuple[str, int, int]]:
     """(domain, task seed, difficulty) of each example: the domain mix and difficulty drawn
     by a generator seeded per example, so any prefix of a longer run is the same."""
@@ -201,24 +216,11 @@ class SFTDataset:
 
     def collate(self, indices: list[int]) -> Batch:
         """Right-padded to the longest example; labels only on completion tokens."""
-        seqs, labels = [], []
-        for i in indices:
-            row = self.rows[i]
-            ids = row["prompt"] + row["completion"]
-            target = [IGNORE] * (len(row["prompt"]) - 1) + row["completion"]
-            seqs.append(ids[:-1])
-            labels.append(target)
-        width = max(len(s) for s in seqs)
-        input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        label_ids = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-        copy = torch.zeros(len(seqs), width, dtype=torch.bool)
-        for b, (s, t) in enumerate(zip(seqs, labels, strict=True)):
-            input_ids[b, : len(s)] = torch.tensor(s)
-            label_ids[b, : len(t)] = torch.tensor(t)
-            mask[b, : len(s)] = True
-            row = self.rows[indices[b]]
+        rows = [self.rows[i] for i in indices]
+        batch = completion_batch([(r["prompt"], r["completion"]) for r in rows], self.pad_id)
+        batch.copy_mask = torch.zeros_like(batch.padding_mask)
+        for b, row in enumerate(rows):
             offset = len(row["prompt"]) - 1
-            copy[b, [offset + j for j in row.get("copy", [])]] = True
-        domains = [self.rows[i]["domain"] for i in indices]
-        return Batch(input_ids, label_ids, mask, copy, domains)
+            batch.copy_mask[b, [offset + j for j in row.get("copy", [])]] = True
+        batch.domains = [row["domain"] for row in rows]
+        return batch

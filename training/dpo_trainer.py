@@ -24,7 +24,7 @@ from serving.model.checkpoint import load_checkpoint
 from serving.model.tokenizer import Tokenizer
 from serving.model.tool_calls import parse_tool_calls
 from training.config import StageConfig
-from training.datasets import IGNORE, Batch
+from training.datasets import IGNORE, Batch, completion_batch
 from training.preference import (
     OBJECTIVES,
     Scored,
@@ -116,23 +116,9 @@ def build_pairs(config: StageConfig, tokenizer: Tokenizer, path: Path) -> None:
 
 @torch.no_grad()
 def _sequence_logprob(model: CausalLM, prompt: list[int], completion: list[int]) -> float:
-    batch = _rows([(prompt, completion)], 0)
+    batch = completion_batch([(prompt, completion)], 0)
     logits = model.compute_logits(model(batch.input_ids, batch.positions))
     return completion_logprobs(logits, batch.labels, IGNORE)[0].item()
-
-
-def _rows(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> Batch:
-    """(prompt, completion) rows, right-padded; labels on the completion only."""
-    seqs = [p + c for p, c in pairs]
-    width = max(len(s) for s in seqs) - 1
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for b, ((prompt, completion), s) in enumerate(zip(pairs, seqs, strict=True)):
-        ids[b, : len(s) - 1] = torch.tensor(s[:-1])
-        labels[b, len(prompt) - 1 : len(s) - 1] = torch.tensor(completion)
-        mask[b, : len(s) - 1] = True
-    return Batch(ids, labels, mask)
 
 
 class PairBatch(Batch):
@@ -164,7 +150,7 @@ class PairDataset:
             (r["prompt"], r["rejected"]) for r in rows
         ]
         return PairBatch(
-            _rows(pairs, self.pad_id),
+            completion_batch(pairs, self.pad_id),
             torch.tensor([r["ref_chosen"] for r in rows]),
             torch.tensor([r["ref_rejected"] for r in rows]),
         )

@@ -15,6 +15,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from training.datasets import IGNORE
+from training.losses import token_losses
+
 DPOLoss = Literal["sigmoid", "ipo"]
 OBJECTIVES = ("correctness", "format", "brevity", "quality")
 
@@ -34,9 +37,8 @@ def completion_logprobs(
     `logits` [B, L, V] predict `labels` [B, L] (already aligned: position t predicts
     labels[t])."""
     keep = labels != ignore_index
-    safe = labels.masked_fill(~keep, 0)
-    logp = logits.float().log_softmax(-1).gather(-1, safe[..., None]).squeeze(-1)
-    return (logp * keep).sum(-1), keep.sum(-1)
+    logp = -token_losses(logits, labels.masked_fill(~keep, IGNORE))
+    return logp.sum(-1), keep.sum(-1)
 
 
 def dpo_loss(

@@ -22,7 +22,8 @@ from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
 from serving.model.tokenizer import Tokenizer
 from training.config import StageConfig
-from training.datasets import IGNORE, Batch
+from training.datasets import IGNORE, Batch, completion_batch
+from training.losses import token_losses
 from training.rl import (
     DomainWeights,
     group_advantages,
@@ -58,10 +59,7 @@ def label_logprobs(model: CausalLM, batch: Batch) -> tuple[torch.Tensor, torch.T
     logits = model.compute_logits(
         model(batch.input_ids, batch.positions, padding_mask=batch.padding_mask)
     )
-    keep = batch.labels != IGNORE
-    labels = batch.labels.masked_fill(~keep, 0)
-    logp = logits.float().log_softmax(-1).gather(-1, labels[..., None]).squeeze(-1)
-    return logp * keep, logits
+    return -token_losses(logits, batch.labels), logits
 
 
 def rl_loss(config: StageConfig) -> Any:
@@ -88,36 +86,28 @@ def rl_loss(config: StageConfig) -> Any:
     return loss
 
 
-# One answer turn: input ids, labels, the sampling log-probabilities (aligned with the
-# labels), and its episode's advantage.
+# One answer turn: prompt ids, completion ids, the completion's sampling log-probabilities,
+# and its episode's advantage.
 Row = tuple[list[int], list[int], list[float], float]
 
 
 def turn_rows(rollout: Rollout, advantage: float, seq_len: int) -> list[Row]:
     """A row for each of the rollout's turns that fits `seq_len`."""
-    rows = []
-    for turn in rollout.turns:
-        ids = turn.prompt_ids + turn.completion_ids
-        if len(ids) - 1 > seq_len or not turn.completion_ids:
-            continue
-        pad = [IGNORE] * (len(turn.prompt_ids) - 1)
-        old = [0.0] * len(pad) + turn.logprobs
-        rows.append((ids[:-1], pad + turn.completion_ids, old, advantage))
-    return rows
+    return [
+        (turn.prompt_ids, turn.completion_ids, turn.logprobs, advantage)
+        for turn in rollout.turns
+        if turn.completion_ids and len(turn.prompt_ids) + len(turn.completion_ids) - 1 <= seq_len
+    ]
 
 
 def collate(rows: list[Row], pad_id: int) -> tuple[Batch, torch.Tensor, torch.Tensor]:
-    width = max(len(r[0]) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    old = torch.zeros(len(rows), width)
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for b, (x, y, lp, _) in enumerate(rows):
-        ids[b, : len(x)] = torch.tensor(x)
-        labels[b, : len(y)] = torch.tensor(y)
-        old[b, : len(lp)] = torch.tensor(lp)
-        mask[b, : len(x)] = True
-    return Batch(ids, labels, mask), old, torch.tensor([r[3] for r in rows])
+    """The rows' batch, the sampling log-probabilities aligned with its labels (0
+    elsewhere), and the advantages."""
+    batch = completion_batch([(prompt, completion) for prompt, completion, _, _ in rows], pad_id)
+    old = torch.zeros(batch.labels.shape)
+    for b, (prompt, _, logprobs, _) in enumerate(rows):
+        old[b, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] = torch.tensor(logprobs)
+    return batch, old, torch.tensor([row[3] for row in rows])
 
 
 class RLTrainer(Trainer):
@@ -213,7 +203,8 @@ class RLTrainer(Trainer):
         size = max(1, -(-len(rows) // n))
         out = []
         for m in range(n):
-            part = rows[m * size : (m + 1) * size] or [([self.pad_id], [IGNORE], [0.0], 0.0)]
+            # No rows: one padding position with no label.
+            part = rows[m * size : (m + 1) * size] or [([self.pad_id] * 2, [], [], 0.0)]
             batch, old, adv = collate(part, self.pad_id)
             ref = None
             if self.reference is not None and self.config.rl.kl_coef > 0:
