@@ -195,6 +195,9 @@ class PretrainDataset:
     def __len__(self) -> int:
         return (self.tokens.numel() - 1) // self.seq_len
 
+    def length(self, index: int) -> int:
+        return self.seq_len
+
     def collate(self, indices: list[int]) -> Batch:
         windows = torch.stack(
             [self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1] for i in indices]
@@ -213,6 +216,10 @@ class SFTDataset:
 
     def domain(self, index: int) -> str:
         return self.rows[index]["domain"]
+
+    def length(self, index: int) -> int:
+        row = self.rows[index]
+        return len(row["prompt"]) + len(row["completion"])
 
     def collate(self, indices: list[int]) -> Batch:
         """Right-padded to the longest example; labels only on completion tokens."""

@@ -144,6 +144,10 @@ class PairDataset:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def length(self, index: int) -> int:
+        row = self.rows[index]
+        return len(row["prompt"]) + max(len(row["chosen"]), len(row["rejected"]))
+
     def collate(self, indices: list[int]) -> PairBatch:
         rows = [self.rows[i] for i in indices]
         pairs = [(r["prompt"], r["chosen"]) for r in rows] + [

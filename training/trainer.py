@@ -7,6 +7,15 @@ positions `s*G + (m*W + r)*B ...` of the stream, with G the global batch, W the 
 processes and B the micro-batch, so a run's batches do not depend on how it is split.
 Token losses are normalised by the global batch's target count, gathered before the
 step's first backward, so the gradient matches a single-process run exactly.
+
+A step's examples are sorted by length before they are cut into micro-batches, so each
+micro-batch pads to a similar length: with SFT's mix of short math and long tool prompts
+this nearly doubles the real tokens per second at 4 micro-batches of 4. The gradient is the
+same sum over the same examples.
+
+`dtype = "bf16"` is mixed precision by `torch.autocast`: fp32 master weights and optimizer,
+bf16 matmuls (1.3-1.4x fp32 on this CPU). DeepSpeed's own bf16 mode, measured on the same
+SFT step, ran 5x slower than fp32 on CPU, so it is not used.
 """
 
 import json
@@ -32,6 +41,7 @@ from training.datasets import Batch, SampleOrder
 
 class Dataset(Protocol):
     def __len__(self) -> int: ...
+    def length(self, index: int) -> int: ...  # tokens of one example, for grouping
     def collate(self, indices: list[int]) -> Batch: ...
 
 
@@ -89,10 +99,22 @@ def deepspeed_config(cfg: TrainConfig) -> dict[str, Any]:
         "gradient_accumulation_steps": cfg.grad_accum,
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": {"stage": cfg.zero_stage},
-        "bf16": {"enabled": cfg.dtype == "bf16"},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+
+
+def split_by_length(
+    indices: list[int], length: Callable[[int], int], micro_batch: int, world: int
+) -> list[list[list[int]]]:
+    """A step's examples as [micro-step][process] -> examples, shortest first: the examples
+    sorted by length (stably) and cut in order, so each micro-batch pads little."""
+    ordered = sorted(indices, key=length)
+    size = micro_batch * world
+    return [
+        [ordered[m + r * micro_batch : m + (r + 1) * micro_batch] for r in range(world)]
+        for m in range(0, len(ordered), size)
+    ]
 
 
 class Trainer:
@@ -137,6 +159,10 @@ class Trainer:
     def model(self) -> CausalLM:
         return self.engine.module
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def micro_batches(self, step: int) -> list[Batch]:
         cfg = self.cfg
         size = cfg.micro_batch * cfg.grad_accum * self.world
@@ -144,11 +170,8 @@ class Trainer:
             chosen = self.sampler.indices(step, size, self.log)
         else:
             chosen = [self.order[k] for k in range(step * size, (step + 1) * size)]
-        out = []
-        for m in range(cfg.grad_accum):
-            start = (m * self.world + self.rank) * cfg.micro_batch
-            out.append(self.dataset.collate(chosen[start : start + cfg.micro_batch]))
-        return out
+        groups = split_by_length(chosen, self.dataset.length, cfg.micro_batch, self.world)
+        return [self.dataset.collate(group[self.rank]) for group in groups]
 
     def train_step(self, step: int) -> dict[str, float]:
         batches = self.micro_batches(step)
@@ -158,8 +181,10 @@ class Trainer:
         totals: dict[str, float] = {}
         sums = torch.zeros(3)  # objective, cross-entropy, real tokens
         norm = None
+        bf16 = self.cfg.dtype == "bf16"
         for batch in batches:
-            parts = self.loss_fn(self.model, batch)
+            with torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
+                parts = self.loss_fn(self.model, batch)
             self.engine.backward(parts.token_sum * scale + parts.extra)
             if self.engine.is_gradient_accumulation_boundary():
                 norm = self._grad_norm()
