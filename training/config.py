@@ -124,6 +124,15 @@ class CurriculumConfig(BaseModel):
     heldout_examples: int = Field(64, ge=1)  # copy-position loss printed with every eval
 
 
+class QATConfig(BaseModel):
+    """SFT only: train through FP4 weights (`training/qat.py`) and export the FP4 checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["mxfp4", "nvfp4"] | None = None  # None: no quantization-aware training
+    all_linear: bool = False  # attention and dense MLP projections too, not only experts
+
+
 class StageConfig(BaseModel):
     """One stage: where its model comes from, what data it sees, how it trains."""
 
@@ -140,6 +149,7 @@ class StageConfig(BaseModel):
     dpo: DPOConfig = DPOConfig()
     rl: RLConfig = RLConfig()
     curriculum: CurriculumConfig = CurriculumConfig()  # sft only
+    qat: QATConfig = QATConfig()  # sft only
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:

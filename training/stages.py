@@ -3,18 +3,21 @@
 Each stage reads its `StageConfig`, builds (or reuses) its tokenized data under
 `OUT/data`, trains through the shared `Trainer` with checkpoints under `OUT/checkpoints`
 (rerunning the same command resumes), and exports the result as a Hugging Face directory in
-bf16 under `OUT/model`, with the loss curves and held-out evaluation tables beside it.
+bf16 under `OUT/model`, with the loss curves and held-out evaluation tables beside it. An SFT
+stage with `[qat]` trains through FP4 weights and exports the FP4 checkpoint (compressed-
+tensors, as `tierserve quantize` writes it) instead.
 """
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from serving.model.causal_lm import CausalLM
-from serving.model.checkpoint import load_checkpoint, save_checkpoint
+from serving.model.checkpoint import load_checkpoint, quantize_checkpoint, save_checkpoint
 from serving.model.config import ModelConfig
 from serving.model.tokenizer import Tokenizer
 from training.config import ConfigError, StageConfig, TrainConfig
@@ -36,6 +39,7 @@ from training.losses import (
     token_loss_sum,
     token_losses,
 )
+from training.qat import disable_qat, enable_qat, served_state_dict
 from training.rl_trainer import RLTrainer
 from training.tasks import harness
 from training.tokenizer import EOS_TOKEN, PAD_TOKEN
@@ -127,7 +131,7 @@ def export(model: CausalLM, out: Path, tokenizer_dir: Path, dtype: torch.dtype) 
     """A standalone Hugging Face directory of `model` in `dtype` (DeepSpeed's module may hold
     its parameters in another dtype and carry hooks, so the weights are copied out)."""
     fresh = CausalLM(model.config)
-    state = {k: v.detach().to(dtype).clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to(dtype).clone() for k, v in served_state_dict(model).items()}
     fresh.load_state_dict(state)
     fresh.to(dtype)
     save_checkpoint(fresh, out, tokenizer_dir)  # generation_config from the model's config
@@ -226,6 +230,8 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "stage.json").write_text(config.model_dump_json(indent=2) + "\n")
+    if config.qat.format is not None and config.stage != "sft":
+        raise ConfigError(f"[qat] is for the sft stage, not {config.stage}")
     if config.stage in ("sft", "draft", "dpo", "rl") and not config.init:
         raise ConfigError(f"the {config.stage} stage needs `init`: a checkpoint directory")
     tok_dir = Path(config.tokenizer or config.init or "")
@@ -266,6 +272,8 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
         dataset = SFTDataset(path, pad_id)
         if config.stage == "sft":
             model = load_checkpoint(config.init)
+            if config.qat.format is not None:
+                enable_qat(model, config.qat.format, config.qat.all_linear)
             if config.curriculum.enabled:
                 curriculum = Curriculum(dataset, config.curriculum, cfg.seed)
                 heldout_data = config.data.model_copy(
@@ -305,7 +313,14 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
     model = trainer.fit()
     final = out_dir / "model"
     if dist.get_rank() == 0:
-        export(model, final, tok_dir, torch.bfloat16)
+        if config.qat.format is not None:
+            disable_qat(model)
+            latent = export(model, out_dir / "model-latent", tok_dir, torch.float32)
+            shutil.rmtree(final, ignore_errors=True)
+            quantize_checkpoint(latent, final, config.qat.format, config.qat.all_linear)
+            shutil.rmtree(latent)
+        else:
+            export(model, final, tok_dir, torch.bfloat16)
         summary = {"stage": config.stage, "style": config.style, "log_tail": trainer.log[-1]}
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     dist.barrier()

@@ -1,0 +1,84 @@
+"""Quantization-aware training: FP4 values forward, the identity backward, and a trained
+model that `tierserve quantize`'s layout serves with exactly the weights it trained with."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.formats import dequantize, quantize_mxfp4, quantize_nvfp4
+from serving.model.checkpoint import load_checkpoint, quantize_checkpoint
+from serving.model.moe import SparseMoE
+from training.qat import FakeFP4, disable_qat, enable_qat, served_state_dict
+from training.stages import export
+
+
+@pytest.mark.parametrize("format", ["mxfp4", "nvfp4"])
+def test_fake_quantization_rounds_forward_and_passes_gradients_straight(format) -> None:
+    w = torch.randn(3, 8, 64, requires_grad=True)
+    y = FakeFP4(format, per_matrix=True)(w)
+    if format == "mxfp4":
+        expected = dequantize(quantize_mxfp4(w.detach()))
+    else:  # one tensor scale per matrix (expert)
+        amax = w.detach().abs().amax(dim=(1, 2))[:, None]
+        expected = dequantize(quantize_nvfp4(w.detach(), amax))
+    assert torch.equal(y, expected)
+    assert not torch.allclose(y, w)  # it did round
+    g = torch.randn_like(w)
+    y.backward(g)
+    assert torch.equal(w.grad, g)
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        return model.compute_logits(model(ids, positions))
+
+
+@pytest.mark.parametrize(("format", "all_linear"), [("mxfp4", False), ("nvfp4", True)])
+def test_the_quantized_export_serves_the_weights_training_saw(
+    random_checkpoint: Path, tmp_path: Path, format, all_linear
+) -> None:
+    model = load_checkpoint(random_checkpoint)
+    n = enable_qat(model, format, all_linear)
+    layers = model.config.num_hidden_layers + len(model.mtp)
+    assert n == layers * (4 if all_linear else 2)  # gate_up, down (+ qkv, o)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    trained = _logits(model, ids)
+    plain = load_checkpoint(random_checkpoint)
+    assert not torch.allclose(trained, _logits(plain, ids), atol=1e-3)  # QAT changes the forward
+    snapshot = export(model, tmp_path / "snapshot", random_checkpoint, torch.float32)
+    assert torch.allclose(_logits(load_checkpoint(snapshot), ids), trained, atol=1e-4)
+    disable_qat(model)
+    assert not any(".parametrizations." in k for k in served_state_dict(model))
+    latent = export(model, tmp_path / "latent", random_checkpoint, torch.float32)
+    quantize_checkpoint(latent, tmp_path / "fp4", format, all_linear)
+    served = load_checkpoint(tmp_path / "fp4")
+    assert any(isinstance(m, SparseMoE) for m in served.modules())
+    assert torch.allclose(_logits(served, ids), trained, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_an_sft_stage_with_qat_exports_an_fp4_checkpoint(
+    random_checkpoint: Path, tmp_path: Path
+) -> None:
+    sets = [
+        "data.examples=12",
+        "train.steps=2",
+        "train.micro_batch=2",
+        "train.eval_n=1",
+        "train.eval_max_tokens=8",
+        "data.mix={math = 1.0}",
+        'qat.format="nvfp4"',
+    ]
+    cmd = [sys.executable, "-c", "from serving.cli import main; main()", "train", "sft"]
+    cmd += ["--init", str(random_checkpoint), "--out", str(tmp_path / "run")]
+    cmd += [f"--set={s}" for s in sets]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    config = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    assert not (tmp_path / "run" / "model-latent").exists()
+    load_checkpoint(tmp_path / "run" / "model")  # loads as the engine would
