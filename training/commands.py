@@ -154,9 +154,23 @@ def add_sandbox(sub: argparse._SubParsersAction) -> None:
     exec_parser.set_defaults(run=run_sandbox_exec)
 
 
+def run_eval_quantization(args: argparse.Namespace) -> None:
+    if args.full_precision is None or not args.quantized:
+        args.parser.error("eval quantization needs --full-precision and --quantized")
+    from training import quantization_report
+
+    rows = quantization_report.compare(
+        args.full_precision, args.quantized, args.examples, args.style
+    )
+    print(quantization_report.format_table(args.full_precision, rows))
+
+
 def run_eval(args: argparse.Namespace) -> None:
     if args.what == "router":
         run_eval_router(args)
+        return
+    if args.what == "quantization":
+        run_eval_quantization(args)
         return
     if args.model is None and args.url is None and args.reference is None:
         args.parser.error("one of --model, --url or --reference is required")
@@ -195,15 +209,31 @@ def run_eval(args: argparse.Namespace) -> None:
 def add_eval(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "eval",
-        help="score a model on held-out tasks of the domains (or, `eval router`, the routers)",
+        help="score a model on held-out tasks of the domains (or the routers, or quantization)",
     )
     parser.add_argument(
         "what",
         nargs="?",
-        choices=["router"],
-        help="`router`: the routers' quality-vs-cost curves on paired outcomes",
+        choices=["router", "quantization"],
+        help="`router`: the routers' quality-vs-cost curves on paired outcomes; "
+        "`quantization`: quantized checkpoints' KL and top-1 agreement to their model",
     )
     add_eval_router_args(parser)
+    parser.add_argument(
+        "--full-precision", type=Path, help="eval quantization: the unquantized model"
+    )
+    parser.add_argument(
+        "--quantized", type=Path, nargs="+", help="eval quantization: its quantized checkpoints"
+    )
+    parser.add_argument(
+        "--examples", type=int, default=64, help="eval quantization: held-out tasks drawn"
+    )
+    parser.add_argument(
+        "--style",
+        choices=["think", "short"],
+        default="think",
+        help="eval quantization: of the turns",
+    )
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--model", type=Path, help="a checkpoint directory, served in process")
     target.add_argument("--url", help="an OpenAI-compatible API root, e.g. http://host:8100/v1")

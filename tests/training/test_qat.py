@@ -82,3 +82,18 @@ def test_an_sft_stage_with_qat_exports_an_fp4_checkpoint(
     assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
     assert not (tmp_path / "run" / "model-latent").exists()
     load_checkpoint(tmp_path / "run" / "model")  # loads as the engine would
+
+
+def test_eval_quantization_prints_kl_and_agreement(random_checkpoint: Path, tmp_path) -> None:
+    quantize_checkpoint(random_checkpoint, tmp_path / "mxfp4", "mxfp4", False)
+    cmd = [sys.executable, "-c", "from serving.cli import main; main()", "eval", "quantization"]
+    cmd += ["--full-precision", str(random_checkpoint), "--examples", "4"]
+    cmd += ["--quantized", str(random_checkpoint), str(tmp_path / "mxfp4")]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300).stdout
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith(f"| {tmp_path}")]
+    rows += [line.split(" | ") for line in out.splitlines() if "tiny-moe |" in line]
+    (same,) = [r for r in rows if r[1] == "-"]
+    (fp4,) = [r for r in rows if r[1] == "mxfp4"]
+    assert float(same[3]) == 0.0 and same[4] == "100.0% |"  # the model against itself
+    assert float(fp4[3]) > 0.0
+    assert float(fp4[2]) < float(same[2])  # FP4 experts: a smaller file
