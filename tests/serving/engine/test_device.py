@@ -7,6 +7,7 @@ op mixing it with the model's CPU tensors fails. A step that passes creates ever
 the model's device (or deliberately on the host), which is what running on CUDA needs.
 """
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,11 @@ def test_a_tiers_device_options_reach_its_engine(random_checkpoint: Path) -> Non
 def test_a_cuda_tier_without_a_gpu_is_a_config_error(random_checkpoint: Path) -> None:
     with pytest.raises(GatewayConfigError, match=r"tiers\.full: --device cuda: no CUDA GPU"):
         check_checkpoints(_tiers(random_checkpoint, device="cuda"))
+
+
+@NO_CUDA
+def test_gpu_check_without_a_gpu_says_so() -> None:
+    result = subprocess.run(
+        ["bash", str(REPO / "loadtests" / "gpu_check.sh")], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "no CUDA GPU" in result.stderr and not result.stdout
