@@ -78,8 +78,11 @@ class CUDAGraphs:
         self.hidden[:size] = self.model.model(self.input_ids[:size], self.positions[:size], meta)
 
     def fits(self, spans: list[TokenSpan]) -> bool:
-        """Decodes only, no more than the largest graph holds."""
-        return len(spans) <= self.sizes[-1] and all(len(s.token_ids) == 1 for s in spans)
+        """Decodes only, no more than the largest graph holds, block tables that fit."""
+        width = self.tables.shape[1]
+        return len(spans) <= self.sizes[-1] and all(
+            len(s.token_ids) == 1 and len(s.block_table) <= width for s in spans
+        )
 
     @torch.inference_mode()
     def forward(self, spans: list[TokenSpan]) -> torch.Tensor:

@@ -36,6 +36,7 @@ def kv_cache_budget(device: torch.device, gpu_memory_utilization: float) -> int:
     once the weights are loaded, and never more than is free (two tiers can share a GPU with
     0.45 each). Unlike vLLM no forward pass is profiled: activations and CUDA graphs live in
     the share left over."""
+    torch.cuda.empty_cache()  # loading's temporaries: cached by torch, yet free for the cache
     free, total = torch.cuda.mem_get_info(device)
     share = int(total * gpu_memory_utilization) - torch.cuda.memory_reserved(device)
     return min(share, free)

@@ -78,25 +78,31 @@ class PagedModel:
         ids = [s.token_ids[0] for s in spans[:nd]]
         positions = [s.start for s in spans[:nd]]
         slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in spans[:nd]]
-        meta = AttentionMetadata(slot_mapping=torch.empty(0))  # set once all slots are known
+        tables = lens = None
         if nd:
             width = max(len(s.block_table) for s in spans[:nd])
-            meta.num_decodes = nd
-            meta.decode_block_tables = self._tensor(
+            tables = self._tensor(
                 [s.block_table + [0] * (width - len(s.block_table)) for s in spans[:nd]]
             )
-            meta.decode_context_lens = self._tensor([p + 1 for p in positions])
+            lens = self._tensor([p + 1 for p in positions])
+        prefills: list[PrefillChunk] = []
         short: list[tuple[TokenSpan, int]] = []
         for s in spans[nd:]:
             n = len(s.token_ids)
             if n <= SHORT_CHUNK:
                 short.append((s, len(ids)))
             else:
-                table = self._tensor(s.block_table)
-                meta.prefills.append(PrefillChunk(len(ids), n, s.start + n, table))
+                prefills.append(PrefillChunk(len(ids), n, s.start + n, self._tensor(s.block_table)))
             ids.extend(s.token_ids)
             positions.extend(range(s.start, s.start + n))
             slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(s.start, s.start + n))
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decodes=nd,
+            decode_block_tables=tables,
+            decode_context_lens=lens,
+            prefills=prefills,
+        )
         if short:
             meta.short = ShortChunks.build(
                 [s.start for s, _ in short],
@@ -107,7 +113,6 @@ class PagedModel:
                 self.dtype,
                 self.device,
             )
-        meta.slot_mapping = self._tensor(slots)
         meta.prepare(bs, self.dtype, self.device)
         return self._tensor(ids), self._tensor(positions), meta
 
