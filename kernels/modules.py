@@ -8,8 +8,8 @@ keys are `....weight.packed` and the like, next to where the plain weight would 
 import torch
 from torch import nn
 
+from kernels import ops
 from kernels.formats import BLOCK_SIZE, FP4Format, FP4Tensor
-from kernels.ops import fp4_linear_for
 
 
 class QuantizedWeight(nn.Module):
@@ -54,5 +54,5 @@ class FP4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fp4_linear_for(x.device)(x, self.weight.tensor)
+        y = ops.fp4_linear(x, self.weight.tensor)
         return y if self.bias is None else y + self.bias

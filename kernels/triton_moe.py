@@ -1,4 +1,4 @@
-"""Fused MoE over FP4 expert weights in Triton.
+"""Fused MoE in Triton, over FP4 expert weights or plain (bf16/fp16/fp32) ones.
 
 1. `align_by_expert`: token slots (token, k) sorted by expert, each expert's run padded to
    a multiple of BLOCK_M, so every row block of the grouped GEMM belongs to one expert.
@@ -9,7 +9,10 @@
 3. Grouped GEMM 2: `out[slot] = topk_weight[slot] * (h[slot] @ D_e.t())` with `down [E, H, I]`.
 4. Scatter back: each token sums its k slots.
 
-Tested against `kernels/reference.fp4_moe` under `TRITON_INTERPRET=1`.
+Plain weights take the same kernels with the dequantization left out, so a bf16 model and
+its FP4 copy run one code path on CUDA, and neither reads anything back to the host (CUDA
+graphs can capture both). Tested against `kernels/reference.fp4_moe` and the PyTorch grouped
+experts under `TRITON_INTERPRET=1`.
 """
 
 import torch
@@ -34,7 +37,9 @@ def align_by_expert(
     flat = topk_ids.flatten()
     num_slots = flat.numel()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not bincount: on CUDA it reads the largest id back to the host.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     expert_of_sorted = flat[order]
     rank = (
@@ -50,6 +55,30 @@ def align_by_expert(
     block_expert = torch.searchsorted(padded.cumsum(0), block_start, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return sorted_slots, block_expert
+
+
+@triton.jit
+def plain_weight_tile(w_ptr, offs_n, offs_kp, n_rows, k, stride_wn, stride_wk):
+    """Even and odd K elements of rows `offs_n` of a plain weight, each `[BLOCK_KP, BLOCK_N]`
+    (the shape `fp4_weight_tile` returns); zero out of bounds."""
+    base = w_ptr + offs_n[None, :] * stride_wn + (2 * offs_kp[:, None]) * stride_wk
+    rows = offs_n[None, :] < n_rows
+    even = tl.load(base, mask=rows & (2 * offs_kp[:, None] < k), other=0.0)
+    odd = tl.load(base + stride_wk, mask=rows & (2 * offs_kp[:, None] + 1 < k), other=0.0)
+    return even, odd
+
+
+@triton.jit
+def _weight_tile(
+    w_ptr, s_ptr, offs_n, offs_kp, n_rows, k, kp, stride_wn, stride_wk, stride_sn,
+    FP4: tl.constexpr, BLOCK: tl.constexpr, IS_NVFP4: tl.constexpr,
+):  # fmt: skip
+    if FP4:
+        return fp4_weight_tile(
+            w_ptr, s_ptr, offs_n, offs_kp, n_rows, kp, stride_wn, stride_sn, BLOCK, IS_NVFP4
+        )
+    else:
+        return plain_weight_tile(w_ptr, offs_n, offs_kp, n_rows, k, stride_wn, stride_wk)
 
 
 @triton.jit
@@ -70,10 +99,12 @@ def _moe_gemm_kernel(
     stride_am,
     stride_we,
     stride_wn,
+    stride_wk,
     stride_se,
     stride_sn,
     stride_rse,
     stride_cm,
+    FP4: tl.constexpr,
     BLOCK: tl.constexpr,
     IS_NVFP4: tl.constexpr,
     SWIGLU: tl.constexpr,
@@ -85,7 +116,8 @@ def _moe_gemm_kernel(
 ):
     """c[slot, n] for the slots of one row block, all of one expert. A row of `a` is
     `slot // a_row_div` (the token for GEMM 1, the slot itself for GEMM 2). With SWIGLU the
-    weight has 2N rows, gate then up, and c = silu(gate) * up."""
+    weight has 2N rows, gate then up, and c = silu(gate) * up. K counts packed byte
+    columns (KP) for FP4 weights and column pairs for plain ones."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return
@@ -100,20 +132,21 @@ def _moe_gemm_kernel(
     for start in range(0, KP, BLOCK_KP):
         offs_kp = start + tl.arange(0, BLOCK_KP)
         even, odd = activation_pair(a_ptr, rows, valid, offs_kp, K, stride_am)
-        w_even, w_odd = fp4_weight_tile(
-            w_ptr, s_ptr, offs_n, offs_kp, N, KP, stride_wn, stride_sn, BLOCK, IS_NVFP4
-        )
+        w_even, w_odd = _weight_tile(
+            w_ptr, s_ptr, offs_n, offs_kp, N, K, KP, stride_wn, stride_wk, stride_sn,
+            FP4, BLOCK, IS_NVFP4,
+        )  # fmt: skip
         acc += tl.dot(even, w_even.to(even.dtype), input_precision=PRECISION)
         acc += tl.dot(odd, w_odd.to(odd.dtype), input_precision=PRECISION)
         if SWIGLU:
-            u_even, u_odd = fp4_weight_tile(
-                w_ptr + N * stride_wn, s_ptr + N * stride_sn, offs_n, offs_kp, N, KP,
-                stride_wn, stride_sn, BLOCK, IS_NVFP4,
+            u_even, u_odd = _weight_tile(
+                w_ptr + N * stride_wn, s_ptr + N * stride_sn, offs_n, offs_kp, N, K, KP,
+                stride_wn, stride_wk, stride_sn, FP4, BLOCK, IS_NVFP4,
             )  # fmt: skip
             acc_up += tl.dot(even, u_even.to(even.dtype), input_precision=PRECISION)
             acc_up += tl.dot(odd, u_odd.to(odd.dtype), input_precision=PRECISION)
     n_mask = offs_n < N
-    if IS_NVFP4:
+    if FP4 and IS_NVFP4:
         rs_ptr += expert.to(tl.int64) * stride_rse
         acc *= tl.load(rs_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
         if SWIGLU:
@@ -128,7 +161,7 @@ def _moe_gemm_kernel(
 
 def _grouped_gemm(
     a: torch.Tensor,
-    w: FP4Tensor,
+    w: FP4Tensor | torch.Tensor,
     out: torch.Tensor,
     routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     a_row_div: int,
@@ -138,14 +171,22 @@ def _grouped_gemm(
     sorted_slots, block_expert, topk_weights = routing
     block_m, block_n, block_kp, warps = config
     n = out.shape[1]
-    row_scale = w.row_scale if w.row_scale is not None else w.packed  # unread for MXFP4
+    fp4 = isinstance(w, FP4Tensor)
+    if fp4:
+        weight, scales, k, kp = w.packed, w.scales, w.k, w.packed.shape[-1]
+        row_scale = w.row_scale if w.row_scale is not None else w.packed  # unread for MXFP4
+        stride_wk, block, nvfp4 = 1, w.block_size, w.format == "nvfp4"
+    else:  # scales and row scales are never read
+        weight = scales = row_scale = w
+        k, stride_wk, block, nvfp4 = w.shape[-1], w.stride(2), 1, False
+        kp = triton.cdiv(k, 2)  # the loop walks column pairs, as it walks packed bytes
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
-        a, w.packed, w.scales, row_scale, out, sorted_slots, block_expert, topk_weights,
-        out.shape[0], n, w.k, w.packed.shape[-1], a_row_div,
-        a.stride(0), w.packed.stride(0), w.packed.stride(1), w.scales.stride(0),
-        w.scales.stride(1), row_scale.stride(0), out.stride(0),
-        BLOCK=w.block_size, IS_NVFP4=w.format == "nvfp4", SWIGLU=swiglu,
+        a, weight, scales, row_scale, out, sorted_slots, block_expert, topk_weights,
+        out.shape[0], n, k, kp, a_row_div,
+        a.stride(0), weight.stride(0), weight.stride(1), stride_wk, scales.stride(0),
+        scales.stride(1), row_scale.stride(0), out.stride(0),
+        FP4=fp4, BLOCK=block, IS_NVFP4=nvfp4, SWIGLU=swiglu,
         WEIGHTED=not swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp,
         PRECISION=dot_precision(a.dtype), num_warps=warps,
     )  # fmt: skip
@@ -155,11 +196,12 @@ def fused_moe(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    gate_up: FP4Tensor,
-    down: FP4Tensor,
+    gate_up: FP4Tensor | torch.Tensor,
+    down: FP4Tensor | torch.Tensor,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [T, H]; the same
-    contract as `kernels.reference.fp4_moe`."""
+    contract as `kernels.reference.fp4_moe` (and, for plain weights, the grouped experts of
+    `serving/model/moe.py`): gate_up [E, 2I, H], down [E, H, I]."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, _ = gate_up.shape
     num_slots = num_tokens * top_k

@@ -8,11 +8,17 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine
+from serving.engine.llm_engine import (
+    CPU_KV_CACHE_BYTES,
+    EngineConfig,
+    EngineInputError,
+    LLMEngine,
+)
 from serving.gateway.config import GatewayConfigError
 from serving.gateway.loadtest import LoadTestError, add_loadtest
 from serving.model.checkpoint import sampling_defaults
 from serving.model.config import CheckpointError
+from serving.model.device import DEVICE_CHOICES, UnsupportedDeviceError
 from serving.model.dtype import DTYPE_CHOICES, UnsupportedDtypeError
 from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import TokenizerError
@@ -25,6 +31,7 @@ USER_ERRORS = (
     GatewayConfigError,
     LoadTestError,
     UnsupportedDtypeError,
+    UnsupportedDeviceError,
 )
 
 
@@ -33,6 +40,13 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         return SpeculativeConfig.model_validate_json(text)
     except ValidationError as e:
         raise argparse.ArgumentTypeError(_first_error(e)) from None
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return value
 
 
 def _first_error(e: ValidationError) -> str:
@@ -49,6 +63,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative=args.speculative_config,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
     )
     if args.kv_cache_memory is not None:
         config.kv_cache_bytes = args.kv_cache_memory << 20
@@ -66,7 +83,15 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=int,
         metavar="MIB",
-        help=f"KV cache budget in MiB (default {defaults.kv_cache_bytes >> 20})",
+        help=f"KV cache budget in MiB (default: {CPU_KV_CACHE_BYTES >> 20} on a CPU; on a GPU, "
+        "what --gpu-memory-utilization leaves after the weights)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=defaults.gpu_memory_utilization,
+        help="the GPU's memory share this engine may take, the KV cache getting what the "
+        "weights leave of it (as vLLM's; ignored on a CPU)",
     )
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument(
@@ -87,6 +112,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=DTYPE_CHOICES,
         default=defaults.kv_cache_dtype,
         help="the KV cache's (auto: the model's --dtype)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default=defaults.device,
+        help="where weights, KV cache and sampling live (auto: cuda when present)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: run every decode step eagerly (a GPU's decode steps are "
+        "otherwise replayed from graphs captured at padded batch sizes)",
     )
     parser.add_argument(
         "--generation-config",

@@ -49,10 +49,18 @@ class _Shadow:
 
 
 class DraftModelProposer:
-    def __init__(self, path: Path, blocks: BlockAllocator, vocab: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        path: Path,
+        blocks: BlockAllocator,
+        vocab: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         """`blocks`: the draft model's own, as many as the target's (a shadow never holds
-        more tokens than its sequence), without prefix caching; `dtype`: the target's."""
-        model = load_checkpoint(path, dtype)
+        more tokens than its sequence), without prefix caching; `dtype` and `device`: the
+        target's."""
+        model = load_checkpoint(path, dtype, device)
         if model.config.vocab_size > vocab or model.config.num_experts:
             raise ValueError(f"{path}: a draft model must be dense and share the tokenizer")
         self.runner = PagedModel(model, blocks.num_blocks, blocks.block_size)
@@ -103,7 +111,8 @@ class DraftModelProposer:
         for depth in range(max(todo)):
             active = [i for i in order if todo[i] > depth]
             hidden = self.runner.forward([spans[i] for i in active])
-            ends = torch.tensor([len(spans[i].token_ids) for i in active]).cumsum(0) - 1
+            lengths = [len(spans[i].token_ids) for i in active]
+            ends = torch.tensor(lengths, device=self.runner.device).cumsum(0) - 1
             logits = self.runner.model.compute_logits(hidden[ends])[:, : self.vocab]
             tokens, qs = propose_tokens(logits, [live[i] for i in active])
             for i, token, q in zip(active, tokens, qs, strict=True):

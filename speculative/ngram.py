@@ -31,9 +31,10 @@ class NgramProposer:
 
     def propose(self, seqs: list[DraftSequence], ks: list[int], step: TargetStep) -> None:
         for seq, k in zip(seqs, ks, strict=True):
-            seq.draft_token_ids = ngram_lookup(
-                torch.tensor(seq.token_ids), k, self.min_n, self.max_n
-            )
+            # On the host whatever the engine's device: the ids are a host list, and the
+            # lookup costs less than copying them to a GPU.
+            tokens = torch.tensor(seq.token_ids, device="cpu")
+            seq.draft_token_ids = ngram_lookup(tokens, k, self.min_n, self.max_n)
             seq.draft_probs = None
 
     def pause(self, step: TargetStep) -> None:

@@ -50,11 +50,12 @@ def verify_drafts(
             n += 1
         return [*draft_ids[:n], target[n]]
     p = processed_probs(logits, params)
-    drafts = torch.tensor(draft_ids)
-    rows = torch.arange(k)
+    device = logits.device
+    drafts = torch.tensor(draft_ids, device=device)
+    rows = torch.arange(k, device=device)
     p_draft = p[rows, drafts]
-    q_draft = draft_probs[rows, drafts] if draft_probs is not None else torch.ones(k)
-    u = torch.rand(k, generator=generator)
+    q_draft = draft_probs[rows, drafts] if draft_probs is not None else torch.ones(k, device=device)
+    u = torch.rand(k, generator=generator, device=device)
     rejected = (u * q_draft >= p_draft).nonzero()  # keep x when u < p(x) / q(x)
     if len(rejected) == 0:
         return [*draft_ids, int(draw(p[k : k + 1], generator))]
@@ -72,7 +73,8 @@ def verify_drafts(
 def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
     """Logprobs of the raw distribution for `tokens[i]` at row i, with the top k of each row."""
     logprobs = logits.float().log_softmax(dim=-1)
-    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    rows = torch.arange(len(tokens), device=logits.device)
+    chosen = logprobs[rows, torch.tensor(tokens, device=logits.device)].tolist()
     top = logprobs.topk(min(k, logprobs.shape[1]), dim=-1) if k else None
     out = []
     for i, (token, lp) in enumerate(zip(tokens, chosen, strict=True)):

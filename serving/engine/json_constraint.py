@@ -23,6 +23,9 @@ from tokenizers import decoders
 # an open object can emit spaces forever (every one is valid JSON); the bound forces it on.
 # 32 leaves room for a newline plus 4-space indentation 7 levels deep.
 MAX_WHITESPACE = 32
+# Masks are built on the host, where the vocabulary walk runs; the sampler copies the one a
+# row needs to the logits' device.
+HOST = torch.device("cpu")
 
 # Modes, the first field of a state.
 (
@@ -312,7 +315,7 @@ class Vocabulary:
                 plain.append(i)
             else:
                 self.not_plain.insert(data, i)
-        self.plain = torch.zeros(len(token_bytes), dtype=torch.bool)
+        self.plain = torch.zeros(len(token_bytes), dtype=torch.bool, device=HOST)
         self.plain[plain] = True
         self._allowed: dict[Hashable, torch.Tensor] = {}
 
@@ -328,11 +331,13 @@ class Vocabulary:
             if rejected is not None:
                 mask, root = self.plain.clone(), self.not_plain
                 if rejected:
-                    mask[torch.tensor(self._starting_with(rejected), dtype=torch.long)] = False
+                    mask[
+                        torch.tensor(self._starting_with(rejected), dtype=torch.long, device=HOST)
+                    ] = False
             else:
-                mask, root = torch.zeros(len(self), dtype=torch.bool), self.root
+                mask, root = torch.zeros(len(self), dtype=torch.bool, device=HOST), self.root
             ids = self._walk(root, validator.state, validator.step)
-            mask[torch.tensor(ids, dtype=torch.long)] = True
+            mask[torch.tensor(ids, dtype=torch.long, device=HOST)] = True
             if len(self._allowed) >= self.cache_size:
                 del self._allowed[next(iter(self._allowed))]  # the oldest
             self._allowed[key] = mask
@@ -436,7 +441,7 @@ class JsonObjectConstraint:
 
     def allowed_mask(self, vocab_size: int) -> torch.Tensor:
         """Bool [vocab_size]: every token `allows`, found in one walk of the vocabulary."""
-        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask = torch.zeros(vocab_size, dtype=torch.bool, device=HOST)
         if self.complete:
             mask[[t for t in self.eos_token_ids if t < vocab_size]] = True
             return mask

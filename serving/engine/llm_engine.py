@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from serving.engine import cuda_graphs
 from serving.engine.block_manager import BlockManager
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.json_constraint import JsonObjectConstraint, json_vocabulary
@@ -15,6 +16,7 @@ from serving.engine.sequence import Sequence
 from serving.engine.tool_constraint import ToolCallConstraint
 from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
+from serving.model.device import kv_cache_budget, resolve_device
 from serving.model.dtype import resolve_kv_cache_dtype
 from serving.model.paged import kv_bytes_per_block
 from serving.model.sampling import SamplingParams, TokenLogprob
@@ -27,6 +29,8 @@ from speculative.ngram import NgramProposer
 from speculative.proposer import Proposer
 from speculative.speculator import Speculator
 
+CPU_KV_CACHE_BYTES = 256 << 20
+
 
 class EngineInputError(ValueError):
     """A request the engine cannot run as given (the server answers 400)."""
@@ -37,12 +41,16 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     block_size: int = 16
-    kv_cache_bytes: int = 256 << 20
+    # None: CPU_KV_CACHE_BYTES on a CPU; on a GPU, what gpu_memory_utilization leaves.
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # vLLM's: the GPU's share this engine may use
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
     dtype: str = "auto"  # what `from_checkpoint` loads the weights in (`serving/model/dtype.py`)
     kv_cache_dtype: str = "auto"  # auto: the model's dtype
+    device: str = "auto"  # where `from_checkpoint` loads the model; the engine runs there
+    enforce_eager: bool = False  # no CUDA graphs of decode steps on a GPU
 
 
 @dataclass(frozen=True)
@@ -128,12 +136,18 @@ class LLMEngine:
             if eos_token_ids is not None
             else (tokenizer.eos_token_ids if tokenizer else [])
         )
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.embed_tokens.weight.dtype)
-        num_blocks = config.kv_cache_bytes // kv_bytes_per_block(
-            model.config, config.block_size, kv_dtype
-        )
+        weight = model.embed_tokens.weight
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, weight.dtype, weight.device)
+        graphs = cuda_graphs.enabled(weight.device, config.enforce_eager)
+        budget = config.kv_cache_bytes
+        if budget is None and weight.device.type == "cuda":
+            budget = kv_cache_budget(weight.device, config.gpu_memory_utilization)
+        elif budget is None:
+            budget = CPU_KV_CACHE_BYTES
+        num_blocks = budget // kv_bytes_per_block(model.config, config.block_size, kv_dtype)
+        num_blocks -= graphs  # the spare block of CUDA graphs' padded rows (below)
         if num_blocks < 1:
-            raise ValueError("kv_cache_bytes is too small for one block")
+            raise ValueError(f"a KV cache budget of {budget} bytes is too small for one block")
         self.max_model_len = min(
             config.max_model_len or model.config.max_position_embeddings,
             model.config.max_position_embeddings,
@@ -142,8 +156,12 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(
-            model, num_blocks, config.block_size, sorted(self.eos_token_ids), kv_dtype
+            model, num_blocks + graphs, config.block_size, sorted(self.eos_token_ids), kv_dtype
         )
+        if graphs:  # block `num_blocks` is never handed out: padded rows write there
+            self.runner.graphs = cuda_graphs.CUDAGraphs(
+                self.runner, config.max_num_seqs, self.max_model_len, num_blocks
+            )
         self.requests: dict[str, _Request] = {}
         self.speculator = (
             Speculator(config.speculative, self._proposer(config.speculative), self.max_model_len)
@@ -161,12 +179,15 @@ class LLMEngine:
         # The draft model's own blocks, as many as the target's: a shadow of a sequence
         # never holds more tokens than the sequence.
         blocks = BlockManager(self.blocks.num_blocks, self.blocks.block_size, False)
-        return DraftModelProposer(config.model, blocks, vocab, self.runner.dtype)
+        return DraftModelProposer(
+            config.model, blocks, vocab, self.runner.dtype, self.runner.device
+        )
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
         config = config or EngineConfig()
-        return cls(load_checkpoint(path, config.dtype), config, Tokenizer.from_dir(path))
+        model = load_checkpoint(path, config.dtype, resolve_device(config.device))
+        return cls(model, config, Tokenizer.from_dir(path))
 
     # -- requests -------------------------------------------------------------------------
 
@@ -211,7 +232,9 @@ class LLMEngine:
         prompt_token_ids, params = request.prompt_token_ids, request.params
         seqs: list[Sequence] = []
         for i in range(params.n):
-            seq = Sequence(request_id, list(prompt_token_ids), params, index=i)
+            seq = Sequence(
+                request_id, list(prompt_token_ids), params, index=i, device=self.runner.device
+            )
             seq.prefill_leader = seqs[0] if seqs else None
             if params.json_object:
                 vocab = json_vocabulary(self.tokenizer.raw)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serving.engine.cuda_graphs import CUDAGraphs
 from serving.engine.sampler import Sampler, SamplingRow
 from serving.engine.sequence import Sequence
 from serving.model.causal_lm import CausalLM
@@ -46,6 +47,7 @@ class ModelRunner(PagedModel):
     ) -> None:
         super().__init__(model, num_blocks, block_size, kv_cache_dtype)
         self.sampler = Sampler(model.config.vocab_size, eos_token_ids)
+        self.graphs: CUDAGraphs | None = None  # set by the engine on a GPU unless eager
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> StepOutput:
@@ -53,7 +55,8 @@ class ModelRunner(PagedModel):
         reaches its end. A sequence with drafts feeds its last token and the drafts."""
         batch = sorted(batch, key=lambda item: item[1] != 1)  # stable: decodes first
         spans = [_span(seq, n) for seq, n in batch]
-        hidden = self.forward(spans)
+        graphed = self.graphs is not None and self.graphs.fits(spans)
+        hidden = self.graphs.forward(spans) if graphed else self.forward(spans)
         rows, last, verify = [], [], []
         offset = 0
         for seq, n in batch:
@@ -69,7 +72,7 @@ class ModelRunner(PagedModel):
                     rows.append(seq)
                     last.append(offset + n - 1)
             offset += n
-        sampled = self._sample(rows, hidden[torch.tensor(last)]) if rows else []
+        sampled = self._sample(rows, hidden[self._tensor(last)]) if rows else []
         sampled += [self._verify(seq, h) for seq, h in verify]
         return StepOutput(sampled, hidden, batch, [s.start for s in spans])
 
@@ -116,7 +119,7 @@ class ModelRunner(PagedModel):
         logprobs = self.model.compute_logits(hidden[lo - 1 - start : hi - 1 - start]).log_softmax(
             -1
         )
-        targets = torch.tensor(seq.token_ids[lo:hi])
+        targets = self._tensor(seq.token_ids[lo:hi])
         chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
         k = seq.params.prompt_logprobs
         top = logprobs.topk(k, dim=-1) if k else None

@@ -8,6 +8,7 @@ from enum import Enum, auto
 import torch
 
 from serving.engine.json_constraint import JsonObjectConstraint
+from serving.model.device import CPU
 from serving.model.sampling import SamplingParams, TokenLogprob
 from speculative.counts import SpecCounts
 
@@ -32,6 +33,7 @@ class Sequence:
     token_ids: list[int]
     params: SamplingParams
     index: int = 0
+    device: torch.device = CPU  # the engine's: a seeded request's generator draws there
     # A sibling whose prompt blocks this sequence waits for, to share them (n > 1).
     prefill_leader: "Sequence | None" = None
     seq_id: int = field(default_factory=lambda: next(_ids))
@@ -61,7 +63,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+            self.generator = torch.Generator(self.device).manual_seed(self.params.seed + self.index)
 
     def clear_drafts(self) -> None:
         self.draft_token_ids = []

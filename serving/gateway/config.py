@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from serving.model.config import CheckpointError, ModelConfig
+from serving.model.device import DEVICE_CHOICES, UnsupportedDeviceError, resolve_device
 from serving.model.dtype import DTYPE_CHOICES, UnsupportedDtypeError, resolve_dtype
 from speculative.config import SpeculativeConfig
 
@@ -48,6 +49,10 @@ class EmbeddedTier(_Strict):
     speculative: SpeculativeConfig | None = None  # `tierserve engine --speculative-config`
     dtype: Literal[DTYPE_CHOICES] = "auto"  # `tierserve engine --dtype`
     kv_cache_dtype: Literal[DTYPE_CHOICES] = "auto"  # `tierserve engine --kv-cache-dtype`
+    device: Literal[DEVICE_CHOICES] = "auto"  # `tierserve engine --device`
+    # `--gpu-memory-utilization`: the engine's default (0.9) suits one tier per GPU.
+    gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    enforce_eager: bool = False  # `tierserve engine --enforce-eager`
 
     @property
     def model_name(self) -> str:
@@ -214,8 +219,8 @@ class GatewayConfigError(ValueError):
 
 
 def check_checkpoints(config: GatewayConfig) -> None:
-    """Refuse to start an embedded tier whose checkpoint is not there, or whose dtype this
-    machine cannot compute in, rather than restart it forever."""
+    """Refuse to start an embedded tier whose checkpoint is not there, or whose device or
+    dtype this machine lacks, rather than restart it forever."""
     for tier in ("full", "highspeed"):
         tier_config = getattr(config.tiers, tier)
         if not isinstance(tier_config, EmbeddedTier):
@@ -228,9 +233,10 @@ def check_checkpoints(config: GatewayConfig) -> None:
             )
         try:
             saved = ModelConfig.from_file(tier_config.model / "config.json").dtype
+            device = resolve_device(tier_config.device)
             for name in (tier_config.dtype, tier_config.kv_cache_dtype):
-                resolve_dtype(name, saved)
-        except (CheckpointError, UnsupportedDtypeError) as e:
+                resolve_dtype(name, saved, device)
+        except (CheckpointError, UnsupportedDtypeError, UnsupportedDeviceError) as e:
             raise GatewayConfigError(f"tiers.{tier}: {e}") from e
 
 

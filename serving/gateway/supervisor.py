@@ -46,11 +46,13 @@ def engine_command(config: EmbeddedTier, port: int) -> list[str]:
         "--speculative-config": config.speculative and config.speculative.model_dump_json(),
         "--dtype": config.dtype,
         "--kv-cache-dtype": config.kv_cache_dtype,
+        "--device": config.device,
+        "--gpu-memory-utilization": config.gpu_memory_utilization,
     }
     for flag, value in options.items():
         if value is not None:
             command += [flag, str(value)]
-    return command
+    return command + ["--enforce-eager"] * config.enforce_eager
 
 
 class Supervisor:

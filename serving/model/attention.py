@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels import ops
+
 SHORT_CHUNK = 16
 
 
@@ -33,20 +35,20 @@ class ShortChunks:
     @classmethod
     def build(
         cls, starts: list[int], lengths: list[int], offsets: list[int], tables: list[list[int]],
-        block_size: int, dtype: torch.dtype,
+        block_size: int, dtype: torch.dtype, device: torch.device,
     ) -> "ShortChunks":  # fmt: skip
         width = max(map(len, tables))
         rows = max(lengths)
-        pos = torch.arange(rows)
-        lens = torch.tensor(lengths)
+        pos = torch.arange(rows, device=device)
+        lens = torch.tensor(lengths, device=device)
         valid = pos[None, :] < lens[:, None]
-        token_index = (torch.tensor(offsets)[:, None] + pos[None, :]) * valid
+        token_index = (torch.tensor(offsets, device=device)[:, None] + pos[None, :]) * valid
         # Query i of a chunk starting at s sees keys 0..s+i; padded rows see a prefix, harmlessly.
-        last_key = torch.tensor(starts)[:, None] + pos[None, :]
-        keys = torch.arange(width * block_size)
-        mask = torch.zeros(len(starts), rows, len(keys), dtype=dtype)
+        last_key = torch.tensor(starts, device=device)[:, None] + pos[None, :]
+        keys = torch.arange(width * block_size, device=device)
+        mask = torch.zeros(len(starts), rows, len(keys), dtype=dtype, device=device)
         mask.masked_fill_(keys[None, None, :] > last_key[:, :, None], float("-inf"))
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
         return cls(token_index, valid, padded, mask[:, None])
 
     def mask_for(self, group: int) -> torch.Tensor:
@@ -75,15 +77,16 @@ class AttentionMetadata:
     # Built once per step for decode attention: additive mask hiding padded cache slots.
     decode_mask: torch.Tensor | None = None
 
-    def prepare(self, block_size: int, dtype: torch.dtype) -> None:
-        """Precompute what every layer would otherwise rebuild; masks in the queries' dtype."""
-        if self.num_decodes:
+    def prepare(self, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Precompute what every layer would otherwise rebuild; masks in the queries' dtype.
+        The decode mask is for SDPA only: the Triton kernel reads the context lengths."""
+        if self.num_decodes and not ops.use_triton(device):
             max_ctx = self.decode_block_tables.shape[1] * block_size
-            pos = torch.arange(max_ctx)
+            pos = torch.arange(max_ctx, device=device)
             valid = pos[None, :] < self.decode_context_lens[:, None]
             # Additive rather than boolean: SDPA's CPU kernel takes it ~20% faster.
-            mask = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))
-            self.decode_mask = mask[:, None, None, :]  # [B, 1, 1, max_ctx]
+            mask = torch.zeros(valid.shape, dtype=dtype, device=device)
+            self.decode_mask = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
 
 def write_kv(
@@ -121,14 +124,7 @@ def paged_attention(
     nd = meta.num_decodes
     out = torch.empty_like(q) if meta.prefills or meta.short else None
     if nd:
-        k = _gather(k_cache, meta.decode_block_tables, q.dtype)  # [B, kv, ctx, d]
-        v = _gather(v_cache, meta.decode_block_tables, q.dtype)
-        # One query per sequence: put each kv head's query group where a query length goes,
-        # so SDPA needs no GQA expansion of the keys.
-        kv_heads = k.shape[1]
-        qd = q[:nd].view(nd, kv_heads, -1, q.shape[-1])  # [B, kv, group, d]
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
-        o = o.view(nd, -1, q.shape[-1])
+        o = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
         if out is None:  # a decode-only step, the common case
             return o
         out[:nd] = o
@@ -139,11 +135,34 @@ def paged_attention(
         k = _gather(k_cache, chunk.block_table[None], q.dtype)[0, :, :ctx]  # [kv, ctx, d]
         v = _gather(v_cache, chunk.block_table[None], q.dtype)[0, :, :ctx]
         qc = q[chunk.start : chunk.start + chunk.length].transpose(0, 1)  # [heads, L, d]
-        q_pos = torch.arange(ctx - chunk.length, ctx)
-        mask = torch.arange(ctx)[None, :] <= q_pos[:, None]  # causal over prefix + chunk
+        q_pos = torch.arange(ctx - chunk.length, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # causal
         o = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[chunk.start : chunk.start + chunk.length] = o.transpose(0, 1)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence [B, heads, d]: the Triton paged kernel where `kernels/ops.py`
+    says so (CUDA), else SDPA on the gathered cache."""
+    if ops.use_triton(q.device):
+        return ops.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+    nd = q.shape[0]
+    k = _gather(k_cache, meta.decode_block_tables, q.dtype)  # [B, kv, ctx, d]
+    v = _gather(v_cache, meta.decode_block_tables, q.dtype)
+    # Put each kv head's query group where a query length goes, so SDPA needs no GQA
+    # expansion of the keys.
+    qd = q.view(nd, k.shape[1], -1, q.shape[-1])  # [B, kv, group, d]
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
+    return o.view(nd, -1, q.shape[-1])
 
 
 def _short_attention(

@@ -211,7 +211,10 @@ class CausalLM(nn.Module):
         tokens. Paged mode: `[T]` tokens and `meta`. Router logits of every sparse layer are
         appended to `router_logits` when a list is given (for the load-balancing loss).
         """
-        mask = None if meta is not None else causal_mask(input_ids.shape[-1], padding_mask)
+        if meta is None:
+            mask = causal_mask(input_ids.shape[-1], padding_mask, input_ids.device)
+        else:
+            mask = None
         h = self.embed_tokens(input_ids)
         rope = self.rotary(positions, h.dtype)
         for layer in self.layers:
@@ -243,7 +246,7 @@ class CausalLM(nn.Module):
         state) with the embedding of token t + d; positions past the end see token 0 and must
         be masked by the loss.
         """
-        mask = causal_mask(input_ids.shape[-1], padding_mask)
+        mask = causal_mask(input_ids.shape[-1], padding_mask, input_ids.device)
         out, h = [], hidden
         rope = self.rotary(positions, hidden.dtype)
         for d, layer in enumerate(self.mtp, start=1):
@@ -269,13 +272,15 @@ def pack_for_inference(model: CausalLM) -> None:
                 setattr(module, name, nn.Parameter(packed, requires_grad=False))
 
 
-def causal_mask(length: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
+def causal_mask(
+    length: int, padding_mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
     """[B or 1, 1, L, L] boolean: causal, and hiding padded keys.
 
     A fully padded query row would make softmax NaN, so each query may always see itself.
     """
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     if padding_mask is None:
         return causal[None, None]
     mask = causal[None, None] & padding_mask[:, None, None, :].bool()
-    return mask | torch.eye(length, dtype=torch.bool)[None, None]
+    return mask | torch.eye(length, dtype=torch.bool, device=device)[None, None]

@@ -17,6 +17,7 @@ from kernels.formats import FP4Format
 from serving.model import quantization
 from serving.model.causal_lm import CausalLM
 from serving.model.config import CheckpointError, ModelConfig
+from serving.model.device import CPU
 from serving.model.dtype import resolve_dtype
 from serving.model.hf_state_dict import FP4_PARTS, from_hf_state_dict, to_hf_state_dict
 
@@ -27,8 +28,9 @@ SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition
 GenerationConfigMode = Literal["auto", "vllm"]
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of `model.safetensors`, or of the shards its index names."""
+def read_safetensors(path: Path, device: torch.device = CPU) -> dict[str, torch.Tensor]:
+    """All tensors of `model.safetensors`, or of the shards its index names, read straight
+    onto `device` (no staging copy in host memory for a GPU)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -42,7 +44,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for f in files:
         try:
-            with safe_open(path / f, framework="pt") as st:
+            with safe_open(path / f, framework="pt", device=str(device)) as st:
                 for k in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                     tensors[k] = st.get_tensor(k)
         except (SafetensorError, OSError) as e:
@@ -50,17 +52,20 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype | str = torch.float32) -> CausalLM:
-    """The model in `dtype`: a torch dtype, or a `--dtype` name (`auto`: the checkpoint's)."""
+def load_checkpoint(
+    path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device = CPU
+) -> CausalLM:
+    """The model in `dtype` on `device`: a torch dtype, or a `--dtype` name (`auto`: the
+    checkpoint's)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
     config = ModelConfig.from_file(path / "config.json")
     if isinstance(dtype, str):
-        dtype = resolve_dtype(dtype, config.dtype)
+        dtype = resolve_dtype(dtype, config.dtype, device)
     with torch.device("meta"):
         model = CausalLM(config)
-    hf = read_safetensors(path)
+    hf = read_safetensors(path, device)
     if config.quantization is not None:
         fmt = quantization.checkpoint_format(config.quantization)
         hf = quantization.unpack_state_dict(hf)
@@ -74,7 +79,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str = torch.float32) 
         model.lm_head.weight = model.embed_tokens.weight
     # Non-persistent buffers (RoPE tables) were created on meta: rebuild them.
     fresh = type(model.rotary)(config.head_dim, config.max_position_embeddings, config.rope_theta)
-    model.rotary.cos, model.rotary.sin = fresh.cos, fresh.sin
+    model.rotary.cos, model.rotary.sin = fresh.cos.to(device), fresh.sin.to(device)
     return model.eval()
 
 

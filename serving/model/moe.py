@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import ops
 from kernels.modules import QuantizedWeight
-from kernels.ops import fp4_moe_for
-from kernels.reference import silu_and_mul
+from kernels.reference import fp4_moe, silu_and_mul
 from serving.model.config import ModelConfig
 
 
@@ -70,7 +70,10 @@ def grouped_experts(
     capacity = int(counts.max())
     if capacity <= PADDED_CAPACITY and 4 * int(counts.count_nonzero()) >= 3 * num_experts:
         sorted_experts = flat[order]
-        rank = torch.arange(flat.numel()) - (counts.cumsum(0) - counts)[sorted_experts]
+        rank = (
+            torch.arange(flat.numel(), device=x.device)
+            - (counts.cumsum(0) - counts)[sorted_experts]
+        )
         slot = sorted_experts * capacity + rank  # row in the [E * capacity] padded layout
         padded = x.new_zeros(num_experts * capacity, x.shape[-1]).index_copy_(0, slot, xs)
         h = silu_and_mul(torch.bmm(padded.view(num_experts, capacity, -1), gate_up.transpose(1, 2)))
@@ -111,9 +114,14 @@ class SparseMoE(nn.Module):
         if router_logits_out is not None:
             router_logits_out.append(logits)
         weights, experts = route(logits, self.top_k, self.norm_topk_prob)
-        if isinstance(self.gate_up, QuantizedWeight):
-            moe = fp4_moe_for(x.device)
-            y = moe(x, weights, experts, self.gate_up.tensor, self.down.tensor)
+        gate_up, down = self.gate_up, self.down
+        fp4 = isinstance(gate_up, QuantizedWeight)
+        if fp4:
+            gate_up, down = gate_up.tensor, down.tensor
+        if ops.use_triton(x.device):
+            y = ops.fused_moe(x, weights, experts, gate_up, down)
+        elif fp4:
+            y = fp4_moe(x, weights, experts, gate_up, down)
         else:
-            y = grouped_experts(x, weights, experts, self.gate_up, self.down)
+            y = grouped_experts(x, weights, experts, gate_up, down)
         return y.view(shape)

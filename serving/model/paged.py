@@ -50,14 +50,15 @@ class PagedModel:
         self.block_size = block_size
         cfg = model.config
         self.dtype = model.embed_tokens.weight.dtype
+        self.device = model.embed_tokens.weight.device  # the cache and inputs go there too
         dtype = kv_cache_dtype or self.dtype
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         pack_for_inference(model)
         blocks = [*model.layers, *(mtp.block for mtp in model.mtp)]
         for layer in blocks:
             attn = layer.self_attn
-            attn.k_cache = torch.zeros(shape, dtype=dtype)
-            attn.v_cache = torch.zeros(shape, dtype=dtype)
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.qk_norm_weight = torch.cat(
                 (
                     attn.q_norm.weight.detach().expand(attn.num_heads, -1),
@@ -68,35 +69,40 @@ class PagedModel:
     def prepare(
         self, spans: list[TokenSpan]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat input ids, positions and attention metadata; single tokens (decodes) first."""
+        """Flat input ids, positions and attention metadata on the model's device; single
+        tokens (decodes) first. Built from host lists, one copy to the device per tensor."""
         bs = self.block_size
         nd = 0
         while nd < len(spans) and len(spans[nd].token_ids) == 1:
             nd += 1
         ids = [s.token_ids[0] for s in spans[:nd]]
         positions = [s.start for s in spans[:nd]]
-        decode_slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in spans[:nd]]
-        meta = AttentionMetadata(slot_mapping=torch.tensor(decode_slots, dtype=torch.long))
+        slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in spans[:nd]]
+        tables = lens = None
         if nd:
             width = max(len(s.block_table) for s in spans[:nd])
-            meta.num_decodes = nd
-            meta.decode_block_tables = torch.tensor(
+            tables = self._tensor(
                 [s.block_table + [0] * (width - len(s.block_table)) for s in spans[:nd]]
             )
-            meta.decode_context_lens = torch.tensor(positions) + 1
-        slot_parts = [meta.slot_mapping]
+            lens = self._tensor([p + 1 for p in positions])
+        prefills: list[PrefillChunk] = []
         short: list[tuple[TokenSpan, int]] = []
         for s in spans[nd:]:
             n = len(s.token_ids)
-            table = torch.tensor(s.block_table)
             if n <= SHORT_CHUNK:
                 short.append((s, len(ids)))
             else:
-                meta.prefills.append(PrefillChunk(len(ids), n, s.start + n, table))
+                prefills.append(PrefillChunk(len(ids), n, s.start + n, self._tensor(s.block_table)))
             ids.extend(s.token_ids)
             positions.extend(range(s.start, s.start + n))
-            pos = torch.arange(s.start, s.start + n)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(s.start, s.start + n))
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decodes=nd,
+            decode_block_tables=tables,
+            decode_context_lens=lens,
+            prefills=prefills,
+        )
         if short:
             meta.short = ShortChunks.build(
                 [s.start for s, _ in short],
@@ -105,10 +111,13 @@ class PagedModel:
                 [s.block_table for s, _ in short],
                 bs,
                 self.dtype,
+                self.device,
             )
-        meta.slot_mapping = torch.cat(slot_parts)
-        meta.prepare(bs, self.dtype)
-        return torch.tensor(ids), torch.tensor(positions), meta
+        meta.prepare(bs, self.dtype, self.device)
+        return self._tensor(ids), self._tensor(positions), meta
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def forward(self, spans: list[TokenSpan]) -> torch.Tensor:

@@ -18,7 +18,7 @@ from kernels.formats import quantize_mxfp4, quantize_nvfp4
 from kernels.reference import fp4_linear, fp4_moe
 from kernels.triton_gemm import w4a16_gemm, w4a16_linear
 from kernels.triton_moe import align_by_expert, fused_moe
-from serving.model.moe import route
+from serving.model.moe import grouped_experts, route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 QUANTIZE = {"mxfp4": quantize_mxfp4, "nvfp4": quantize_nvfp4}
@@ -111,3 +111,23 @@ def test_fused_moe_with_every_token_on_one_expert():
     weights = torch.rand(20, 1, device=DEVICE)
     got = fused_moe(x, weights, ids, gate_up, down)
     torch.testing.assert_close(got, fp4_moe(x, weights, ids, gate_up, down), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(MOE_CASES))
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fused_moe_over_plain_weights_matches_the_grouped_experts(dtype, case, transposed):
+    """Plain expert weights (the bf16 path on CUDA), row-major or laid out transposed in
+    memory as `pack_for_inference` leaves them."""
+    tokens, experts, hidden, inter, top_k = MOE_CASES[case]
+    g = torch.Generator().manual_seed(tokens + 1)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2
+    down = torch.randn(experts, hidden, inter, generator=g) * 0.2
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = route(torch.randn(tokens, experts, generator=g), top_k, True)
+    expected = grouped_experts(x, weights, ids, gate_up, down)
+    if transposed:
+        gate_up, down = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (gate_up, down))
+    x, weights, ids = (t.to(DEVICE) for t in (x, weights, ids))
+    got = fused_moe(x.to(dtype), weights, ids, gate_up.to(DEVICE, dtype), down.to(DEVICE, dtype))
+    torch.testing.assert_close(got.float().cpu(), expected, **tolerance(dtype))
