@@ -49,6 +49,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative=args.speculative_config,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        enforce_eager=args.enforce_eager,
     )
     if args.kv_cache_memory is not None:
         config.kv_cache_bytes = args.kv_cache_memory << 20
@@ -87,6 +88,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=DTYPE_CHOICES,
         default=defaults.kv_cache_dtype,
         help="the KV cache's (auto: the model's --dtype)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly: no compiled decode steps (they take seconds to load at "
+        "start, minutes the first time; the cache is in $TIERSERVE_CACHE_DIR, default "
+        "~/.cache/tierserve)",
     )
     parser.add_argument(
         "--generation-config",

@@ -15,6 +15,7 @@ from serving.engine.sequence import Sequence
 from serving.engine.tool_constraint import ToolCallConstraint
 from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
+from serving.model.decode_graphs import graph_sizes
 from serving.model.dtype import resolve_kv_cache_dtype
 from serving.model.paged import kv_bytes_per_block
 from serving.model.sampling import SamplingParams, TokenLogprob
@@ -43,6 +44,10 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     dtype: str = "auto"  # what `from_checkpoint` loads the weights in (`serving/model/dtype.py`)
     kv_cache_dtype: str = "auto"  # auto: the model's dtype
+    # vLLM's flag: no compiled decode steps (`serving/model/decode_graphs.py`). Eager here, so
+    # tests, training rollouts and scripts start at once; `tierserve engine` and `generate`
+    # and gateway tiers compile unless given --enforce-eager, as vLLM does.
+    enforce_eager: bool = True
 
 
 @dataclass(frozen=True)
@@ -142,7 +147,12 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(
-            model, num_blocks, config.block_size, sorted(self.eos_token_ids), kv_dtype
+            model,
+            num_blocks,
+            config.block_size,
+            sorted(self.eos_token_ids),
+            kv_dtype,
+            None if config.enforce_eager else graph_sizes(config.max_num_seqs),
         )
         self.requests: dict[str, _Request] = {}
         self.speculator = (

@@ -43,8 +43,9 @@ class ModelRunner(PagedModel):
         block_size: int,
         eos_token_ids: list[int],
         kv_cache_dtype: torch.dtype | None = None,
+        graph_sizes: list[int] | None = None,
     ) -> None:
-        super().__init__(model, num_blocks, block_size, kv_cache_dtype)
+        super().__init__(model, num_blocks, block_size, kv_cache_dtype, graph_sizes)
         self.sampler = Sampler(model.config.vocab_size, eos_token_ids)
 
     @torch.inference_mode()

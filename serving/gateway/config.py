@@ -48,6 +48,7 @@ class EmbeddedTier(_Strict):
     speculative: SpeculativeConfig | None = None  # `tierserve engine --speculative-config`
     dtype: Literal[DTYPE_CHOICES] = "auto"  # `tierserve engine --dtype`
     kv_cache_dtype: Literal[DTYPE_CHOICES] = "auto"  # `tierserve engine --kv-cache-dtype`
+    enforce_eager: bool = False  # `tierserve engine --enforce-eager`
 
     @property
     def model_name(self) -> str:

@@ -50,6 +50,8 @@ def engine_command(config: EmbeddedTier, port: int) -> list[str]:
     for flag, value in options.items():
         if value is not None:
             command += [flag, str(value)]
+    if config.enforce_eager:
+        command.append("--enforce-eager")
     return command
 
 
