@@ -10,6 +10,7 @@ prefill included) and mean time to first token, with ratios: ours against transf
 same dtype, compiled against eager, and our bf16 against our fp32.
 
     python loadtests/bench_engine.py [--concurrency 1 4 16] [--new-tokens 128] [--dtypes ...]
+        [--threads 2]
 """
 
 import argparse
@@ -130,8 +131,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32", "bfloat16"])
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="torch threads (1 on a machine shared with others)"
+    )
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     path = build_checkpoint(args.checkpoint)
     rows = [
         row

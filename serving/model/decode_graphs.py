@@ -95,8 +95,6 @@ class DecodeGraphs:
         no sequence owns, where padding rows write. Starts compiling in the background."""
         # Set, not defaulted: importing some libraries (torchao) sets it to inductor's /tmp default.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
-        # One cache entry per size and model (a process may hold several engines).
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.sizes = sizes
         self.block_size = block_size
         self.scratch_block = scratch_block
@@ -118,11 +116,18 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _compile(self) -> None:
         """Each size on inputs of its own (padding rows: they touch only the scratch block),
-        so the engine may use the buffers meanwhile."""
+        so the engine may use the buffers meanwhile. A failure leaves the rest eager."""
+        # One cache entry per size and model (a process may hold several engines); dynamo's
+        # config is per thread.
+        torch._dynamo.config.recompile_limit = 64
         start = time.monotonic()
-        for size in self.sizes:
-            self._call(self._padding(size))
-            self.num_ready += 1
+        try:
+            for size in self.sizes:
+                self._call(self._padding(size))
+                self.num_ready += 1
+        except Exception:
+            logger.exception("compiling decode steps failed; they run eagerly")
+            return
         logger.info(
             "compiled decode steps for batch sizes %s in %.1f s (cache: %s)",
             self.sizes,
