@@ -21,6 +21,7 @@ requests first reach a size. Inductor's caches live on disk (`compile_cache_dir`
 restart retraces but does not recompile.
 """
 
+import functools
 import logging
 import os
 import threading
@@ -99,14 +100,22 @@ class DecodeGraphs:
         self.block_size = block_size
         self.scratch_block = scratch_block
         dtype = model.embed_tokens.weight.dtype
-        self._padding = lambda size: _Inputs.padding(
-            size, max_blocks, block_size, scratch_block, dtype
+        padding = functools.partial(
+            _Inputs.padding,
+            max_blocks=max_blocks,
+            block_size=block_size,
+            scratch_block=scratch_block,
+            dtype=dtype,
         )
-        self.buffers = self._padding(sizes[-1])
+        self.buffers = padding(sizes[-1])
         self.key_positions = torch.arange(max_blocks * block_size)
         self.forward = torch.compile(model, dynamic=False, fullgraph=True)
         self.num_ready = 0  # sizes[:num_ready] are compiled
-        self._capture = threading.Thread(target=self._compile, name="decode-graphs", daemon=True)
+        # Made here, not in the thread's inference mode: guards tell inference tensors apart.
+        inputs = [padding(size) for size in sizes]
+        self._capture = threading.Thread(
+            target=self._compile, args=(inputs,), name="decode-graphs", daemon=True
+        )
         self._capture.start()
 
     def wait(self) -> None:
@@ -114,7 +123,7 @@ class DecodeGraphs:
         self._capture.join()
 
     @torch.inference_mode()
-    def _compile(self) -> None:
+    def _compile(self, inputs: list[_Inputs]) -> None:
         """Each size on inputs of its own (padding rows: they touch only the scratch block),
         so the engine may use the buffers meanwhile. A failure leaves the rest eager."""
         # One cache entry per size and model (a process may hold several engines); dynamo's
@@ -122,8 +131,8 @@ class DecodeGraphs:
         torch._dynamo.config.recompile_limit = 64
         start = time.monotonic()
         try:
-            for size in self.sizes:
-                self._call(self._padding(size))
+            for padding in inputs:
+                self._call(padding)
                 self.num_ready += 1
         except Exception:
             logger.exception("compiling decode steps failed; they run eagerly")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from serving.engine import llm_engine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
@@ -41,6 +42,7 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch):
     graphs = compiled.runner.graphs
     graphs.wait()
     assert graphs.num_ready == 1
+    compiled_frames = counters["frames"]["total"]
     sizes = []
     run = graphs.run
     graphs.run = lambda ids, *a: (sizes.append(len(ids)), run(ids, *a))[1]
@@ -48,6 +50,7 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch):
     got = [o[0].token_ids for o in compiled.generate(ps, params)]
     assert got == want
     assert {1, 2, 3} <= set(sizes)  # every batch size went through the padded graph
+    assert counters["frames"]["total"] == compiled_frames  # the engine used the thread's graph
     # Padding rows wrote only to the scratch block past the sequences' blocks.
     n = eager.blocks.num_blocks
     for a, b in zip(eager.model.layers, compiled.model.layers, strict=True):
