@@ -6,7 +6,8 @@ client streams, each sending 2 streamed greedy `/v1/completions` requests one af
 comparison in /work/shared/REFERENCE_FIGURES.md. The same prompts then run through an
 `LLMEngine` in this process (the engine's offline figure). Prints generated tokens/s of both
 and their ratio, mean TTFT, inter-token latency p50/p99 (gaps between streamed chunks), and
-the server's startup time to its first /health 200.
+the server's startup time to its first /health 200 and to its compiled decode steps (both
+engines compile theirs and the runs wait for them, unless `--enforce-eager`).
 
     python -m loadtests.bench_api [--concurrency 1 4 16] [--dtype float32] [--enforce-eager]
 """
@@ -18,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,24 +36,34 @@ PROMPT_TOKENS = 128
 REQUESTS_PER_STREAM = 2
 
 
-def start_server(path: Path, port: int, dtype: str, threads: int) -> tuple[subprocess.Popen, float]:
-    """The server and its startup time (spawn to the first /health 200)."""
+def start_server(
+    path: Path, port: int, dtype: str, threads: int, log: Path, eager: bool
+) -> tuple[subprocess.Popen, float, float]:
+    """The server, its startup time (spawn to the first /health 200) and the time until its
+    compiled decode steps are ready (they compile in the background)."""
     command = [sys.executable, "-c", "from serving.cli import main; main()", "engine"]
     command += ["--model", str(path), "--port", str(port), "--dtype", dtype]
     command += ["--served-model-name", "bench"]
     command += ["--max-num-seqs", "64", "--max-num-batched-tokens", "1024"]
+    command += ["--enforce-eager"] if eager else []
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
     start = time.monotonic()
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    while True:
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=out)
+    health = None
+    while health is None or not (eager or "compiled decode steps" in log.read_text()):
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read().decode()[-2000:]}")
+            raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, time.monotonic() - start
+            if (
+                health is None
+                and httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            ):
+                health = time.monotonic() - start
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
+    return proc, health, time.monotonic() - start
 
 
 async def one_request(
@@ -136,15 +148,20 @@ def main() -> None:
     ap.add_argument("--dtype", choices=list(DTYPES), default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--port", type=int, default=8317)
+    ap.add_argument("--enforce-eager", action="store_true", help="both engines eager")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = build_checkpoint(args.checkpoint)
-    server, startup = start_server(path, args.port, args.dtype, args.threads)
+    log = Path(tempfile.mkdtemp()) / "engine.log"
+    eager = args.enforce_eager
+    server, startup, compiled = start_server(path, args.port, args.dtype, args.threads, log, eager)
     engine = LLMEngine(
         load_checkpoint(path, DTYPES[args.dtype]),
-        EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024),
+        EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024, enforce_eager=eager),
         eos_token_ids=[],
     )
+    if not eager:
+        engine.runner.graphs.wait()
     vocab = engine.model.config.vocab_size
     rows = []
     try:
@@ -162,7 +179,8 @@ def main() -> None:
     print(
         f"\n{path.name}, {args.dtype}, {args.threads} threads: streamed greedy /v1/completions, "
         f"{PROMPT_TOKENS}-token prompts, {args.new_tokens} new tokens, {REQUESTS_PER_STREAM} "
-        f"requests per stream; server startup to /health 200: {startup:.1f} s"
+        f"requests per stream; {'eager' if eager else 'compiled'}; server startup to /health "
+        f"200: {startup:.1f} s" + ("" if eager else f", to compiled decode steps: {compiled:.1f} s")
     )
     print(
         "| streams | API tok/s | offline tok/s | API / offline | TTFT ms | ITL p50 ms "

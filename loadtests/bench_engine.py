@@ -3,12 +3,14 @@
 On the common benchmark shape (a random-weight Qwen3-MoE of 43.5M parameters, 10.5M active),
 greedy decoding, prompts of 64-256 tokens, 128 new tokens, 1/4/16 concurrent requests:
 transformers runs each group as one left-padded batch (its static batching), our engine as
-concurrent requests under continuous batching, both in each `--dtypes` (fp32 and bf16 by
-default). Prints output tokens/s (all generated tokens over the group's wall time, prefill
-included) and mean time to first token, with ratios: ours against transformers in the same
-dtype, and our bf16 against our fp32.
+concurrent requests under continuous batching, eager and with compiled decode steps
+(`serving/model/decode_graphs.py`, compiled before timing), both in each `--dtypes` (fp32 and
+bf16 by default). Prints output tokens/s (all generated tokens over the group's wall time,
+prefill included) and mean time to first token, with ratios: ours against transformers in the
+same dtype, compiled against eager, and our bf16 against our fp32.
 
     python loadtests/bench_engine.py [--concurrency 1 4 16] [--new-tokens 128] [--dtypes ...]
+        [--threads 2]
 """
 
 import argparse
@@ -90,26 +92,32 @@ def bench_dtype(path: Path, dtype: str, concurrency: list[int], new: int) -> lis
 
     torch_dtype = DTYPES[dtype]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
-    engine = LLMEngine(
-        load_checkpoint(path, torch_dtype),
-        EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024),
-        eos_token_ids=[],
-    )
+    engines = {}
+    for eager in (True, False):
+        config = EngineConfig(max_num_seqs=32, max_num_batched_tokens=1024, enforce_eager=eager)
+        engines[eager] = LLMEngine(load_checkpoint(path, torch_dtype), config, eos_token_ids=[])
+    start = time.monotonic()
+    engines[False].runner.graphs.wait()
+    print(f"{dtype}: decode steps compiled in {time.monotonic() - start:.1f} s")
     vocab = hf.config.vocab_size
-    run_ours(engine, make_prompts(2, vocab, seed=99), 8)  # warm up both
+    for engine in engines.values():  # warm up all three
+        run_ours(engine, make_prompts(2, vocab, seed=99), 8)
     run_transformers(hf, make_prompts(2, vocab, seed=99), 8)
     rows = []
     for c in tqdm(concurrency, desc=dtype):
         prompts = make_prompts(c, vocab, seed=c)
         hf_tps, hf_ttft = run_transformers(hf, prompts, new)
-        our_tps, our_ttft = run_ours(engine, prompts, new)
+        eager_tps, eager_ttft = run_ours(engines[True], prompts, new)
+        our_tps, our_ttft = run_ours(engines[False], prompts, new)
         rows.append(
             dict(
                 dtype=dtype,
                 concurrency=c,
                 hf_tps=hf_tps,
+                eager_tps=eager_tps,
                 our_tps=our_tps,
                 hf_ttft=hf_ttft,
+                eager_ttft=eager_ttft,
                 our_ttft=our_ttft,
             )
         )
@@ -123,8 +131,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32", "bfloat16"])
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="torch threads (1 on a machine shared with others)"
+    )
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     path = build_checkpoint(args.checkpoint)
     rows = [
         row
@@ -136,19 +147,21 @@ def main() -> None:
         f"{torch.get_num_threads()} threads"
     )
     print(
-        "| dtype | concurrent | transformers tok/s | tierserve tok/s | ratio "
-        "| TTFT transformers ms | TTFT tierserve ms |"
+        "| dtype | concurrent | transformers tok/s | tierserve eager tok/s "
+        "| tierserve compiled tok/s | compiled / transformers | compiled / eager "
+        "| TTFT transformers ms | TTFT eager ms | TTFT compiled ms |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ratio = r["our_tps"] / r["hf_tps"]
         print(
-            f"| {r['dtype']} | {r['concurrency']} | {r['hf_tps']:.0f} | {r['our_tps']:.0f} "
-            f"| {ratio:.2f}x | {r['hf_ttft'] * 1e3:.0f} | {r['our_ttft'] * 1e3:.0f} |"
+            f"| {r['dtype']} | {r['concurrency']} | {r['hf_tps']:.0f} | {r['eager_tps']:.0f} "
+            f"| {r['our_tps']:.0f} | {r['our_tps'] / r['hf_tps']:.2f}x "
+            f"| {r['our_tps'] / r['eager_tps']:.2f}x | {r['hf_ttft'] * 1e3:.0f} "
+            f"| {r['eager_ttft'] * 1e3:.0f} | {r['our_ttft'] * 1e3:.0f} |"
         )
     ours = {(r["dtype"], r["concurrency"]): r["our_tps"] for r in rows}
     if {"float32", "bfloat16"} <= set(args.dtypes):
-        print("\n| concurrent | tierserve bf16 / fp32 |\n|---|---|")
+        print("\n| concurrent | tierserve compiled bf16 / fp32 |\n|---|---|")
         for c in args.concurrency:
             print(f"| {c} | {ours['bfloat16', c] / ours['float32', c]:.2f}x |")
     if args.json:

@@ -122,8 +122,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="no CUDA graphs: run every decode step eagerly (a GPU's decode steps are "
-        "otherwise replayed from graphs captured at padded batch sizes)",
+        help="run every step eagerly: no compiled decode steps on a CPU (they take seconds to "
+        "load at start, minutes the first time; the cache is in $TIERSERVE_CACHE_DIR, default "
+        "~/.cache/tierserve) and no CUDA graphs on a GPU",
     )
     parser.add_argument(
         "--generation-config",

@@ -16,6 +16,7 @@ from serving.engine.sequence import Sequence
 from serving.engine.tool_constraint import ToolCallConstraint
 from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
+from serving.model.decode_graphs import graph_sizes
 from serving.model.device import kv_cache_budget, resolve_device
 from serving.model.dtype import resolve_kv_cache_dtype
 from serving.model.paged import kv_bytes_per_block
@@ -50,7 +51,11 @@ class EngineConfig:
     dtype: str = "auto"  # what `from_checkpoint` loads the weights in (`serving/model/dtype.py`)
     kv_cache_dtype: str = "auto"  # auto: the model's dtype
     device: str = "auto"  # where `from_checkpoint` loads the model; the engine runs there
-    enforce_eager: bool = False  # no CUDA graphs of decode steps on a GPU
+    # vLLM's flag: no compiled decode steps on a CPU (`serving/model/decode_graphs.py`), no
+    # CUDA graphs on a GPU (`serving/engine/cuda_graphs.py`). Eager here, so tests, training
+    # rollouts and scripts start at once; `tierserve engine` and `generate` and gateway tiers
+    # capture unless given --enforce-eager, as vLLM does.
+    enforce_eager: bool = True
 
 
 @dataclass(frozen=True)
@@ -156,10 +161,16 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(
-            model, num_blocks + graphs, config.block_size, sorted(self.eos_token_ids), kv_dtype
+            model,
+            num_blocks + graphs,
+            config.block_size,
+            sorted(self.eos_token_ids),
+            kv_dtype,
+            # Compiled decode steps on a CPU; a GPU's are CUDA graphs (below).
+            None if config.enforce_eager or graphs else graph_sizes(config.max_num_seqs),
         )
         if graphs:  # block `num_blocks` is never handed out: padded rows write there
-            self.runner.graphs = cuda_graphs.CUDAGraphs(
+            self.runner.cuda_graphs = cuda_graphs.CUDAGraphs(
                 self.runner, config.max_num_seqs, self.max_model_len, num_blocks
             )
         self.requests: dict[str, _Request] = {}

@@ -44,10 +44,11 @@ class ModelRunner(PagedModel):
         block_size: int,
         eos_token_ids: list[int],
         kv_cache_dtype: torch.dtype | None = None,
+        graph_sizes: list[int] | None = None,
     ) -> None:
-        super().__init__(model, num_blocks, block_size, kv_cache_dtype)
+        super().__init__(model, num_blocks, block_size, kv_cache_dtype, graph_sizes)
         self.sampler = Sampler(model.config.vocab_size, eos_token_ids)
-        self.graphs: CUDAGraphs | None = None  # set by the engine on a GPU unless eager
+        self.cuda_graphs: CUDAGraphs | None = None  # set by the engine on a GPU unless eager
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> StepOutput:
@@ -55,8 +56,8 @@ class ModelRunner(PagedModel):
         reaches its end. A sequence with drafts feeds its last token and the drafts."""
         batch = sorted(batch, key=lambda item: item[1] != 1)  # stable: decodes first
         spans = [_span(seq, n) for seq, n in batch]
-        graphed = self.graphs is not None and self.graphs.fits(spans)
-        hidden = self.graphs.forward(spans) if graphed else self.forward(spans)
+        graphed = self.cuda_graphs is not None and self.cuda_graphs.fits(spans)
+        hidden = self.cuda_graphs.forward(spans) if graphed else self.forward(spans)
         rows, last, verify = [], [], []
         offset = 0
         for seq, n in batch:

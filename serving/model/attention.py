@@ -77,6 +77,10 @@ class AttentionMetadata:
     # Built once per step for decode attention: additive mask hiding padded cache slots.
     decode_mask: torch.Tensor | None = None
 
+    @property
+    def decode_only(self) -> bool:
+        return not self.prefills and self.short is None
+
     def prepare(self, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Precompute what every layer would otherwise rebuild; masks in the queries' dtype.
         The decode mask is for SDPA only: the Triton kernel reads the context lengths."""
@@ -124,7 +128,15 @@ def paged_attention(
     nd = meta.num_decodes
     out = torch.empty_like(q) if meta.prefills or meta.short else None
     if nd:
-        o = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+        o = decode_attention(
+            q[:nd],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            meta.decode_mask,
+            scale,
+        )
         if out is None:  # a decode-only step, the common case
             return o
         out[:nd] = o
@@ -142,27 +154,73 @@ def paged_attention(
     return out
 
 
-def _decode_attention(
+def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence [B, heads, d]: the Triton paged kernel where `kernels/ops.py`
-    says so (CUDA), else SDPA on the gathered cache."""
+    """One query per sequence, q [B, heads, d] -> [B, heads, d]: the Triton paged kernel where
+    `kernels/ops.py` says so (CUDA), else SDPA on the gathered cache.
+
+    SDPA reads only the blocks the longest context needs: `block_tables` ([B, width]) and `mask`
+    ([B, 1, 1, width * block_size], additive) may be wider, as a compiled step's fixed-width
+    buffers are.
+    """
     if ops.use_triton(q.device):
-        return ops.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
-        )
-    nd = q.shape[0]
-    k = _gather(k_cache, meta.decode_block_tables, q.dtype)  # [B, kv, ctx, d]
-    v = _gather(v_cache, meta.decode_block_tables, q.dtype)
+        return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    block_size = k_cache.shape[1]
+    blocks = -(-int(context_lens.max()) // block_size)
+    tables = block_tables[:, :blocks]
+    k = _gather(k_cache, tables, q.dtype)  # [B, kv, ctx, d]
+    v = _gather(v_cache, tables, q.dtype)
     # Put each kv head's query group where a query length goes, so SDPA needs no GQA
     # expansion of the keys.
-    qd = q.view(nd, k.shape[1], -1, q.shape[-1])  # [B, kv, group, d]
-    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
-    return o.view(nd, -1, q.shape[-1])
+    b, kv_heads = q.shape[0], k.shape[1]
+    qd = q.view(b, kv_heads, -1, q.shape[-1])  # [B, kv, group, d]
+    m = mask[..., : blocks * block_size]
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=m, scale=scale)
+    return o.view(b, -1, q.shape[-1])
+
+
+torch.library.define(
+    "tierserve::paged_decode",
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+    "Tensor block_tables, Tensor context_lens, Tensor mask, float scale) -> Tensor",
+)
+
+
+# A plain `torch.library` op rather than `custom_op`: the latter costs ~70 us a call in Python
+# wrappers, over half of this op's own work at one sequence.
+def paged_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A decode-only step's cache write and attention as one op, which a compiled decode
+    step calls as opaque eager code (vLLM keeps attention out of its captured graphs too):
+    how many blocks it reads depends on the context lengths, which a graph of fixed shapes
+    cannot know. q [B, heads, d], k and v [B, kv_heads, d] -> [B, heads, d]."""
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return decode_attention(q, k_cache, v_cache, block_tables, context_lens, mask, scale)
+
+
+torch.library.impl("tierserve::paged_decode", "CompositeExplicitAutograd", func=paged_decode)
+
+
+@torch.library.register_fake("tierserve::paged_decode")
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, mask, scale):
+    return torch.empty_like(q)
 
 
 def _short_attention(

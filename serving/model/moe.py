@@ -89,6 +89,32 @@ def grouped_experts(
     return torch.zeros_like(x).index_add_(0, token_of, out * slot_weights)
 
 
+torch.library.define(
+    "tierserve::moe_experts",
+    "(Tensor x, Tensor weights, Tensor experts, Tensor gate_up, Tensor down) -> Tensor",
+)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """`grouped_experts` as an op that a compiled decode step calls as opaque eager code: its
+    cheapest form depends on which experts the tokens picked, which a graph cannot know."""
+    return grouped_experts(x, weights, experts, gate_up, down)
+
+
+torch.library.impl("tierserve::moe_experts", "CompositeExplicitAutograd", func=moe_experts)
+
+
+@torch.library.register_fake("tierserve::moe_experts")
+def _(x, weights, experts, gate_up, down):
+    return torch.empty_like(x)
+
+
 # Above this many tokens per expert, padding costs more than the per-expert calls it saves.
 PADDED_CAPACITY = 16
 
@@ -122,6 +148,8 @@ class SparseMoE(nn.Module):
             y = ops.fused_moe(x, weights, experts, gate_up, down)
         elif fp4:
             y = fp4_moe(x, weights, experts, gate_up, down)
-        else:
+        elif torch.is_grad_enabled():  # training: the op has no backward
             y = grouped_experts(x, weights, experts, gate_up, down)
+        else:
+            y = torch.ops.tierserve.moe_experts(x, weights, experts, gate_up, down)
         return y.view(shape)

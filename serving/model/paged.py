@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.modules import QuantizedWeight
 from serving.model.attention import SHORT_CHUNK, AttentionMetadata, PrefillChunk, ShortChunks
 from serving.model.causal_lm import CausalLM, pack_for_inference
 from serving.model.config import ModelConfig
+from serving.model.decode_graphs import DecodeGraphs
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -44,15 +46,21 @@ class PagedModel:
         num_blocks: int,
         block_size: int,
         kv_cache_dtype: torch.dtype | None = None,
+        graph_sizes: list[int] | None = None,
     ) -> None:
-        """`kv_cache_dtype`: default, the model's."""
+        """`kv_cache_dtype`: default, the model's. `graph_sizes`: compile decode steps at
+        these padded batch sizes (`DecodeGraphs`, in the background); None runs every step
+        eagerly, and so does an FP4 model (its CPU path unpacks weights in Python)."""
         self.model = model
         self.block_size = block_size
         cfg = model.config
         self.dtype = model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device  # the cache and inputs go there too
         dtype = kv_cache_dtype or self.dtype
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        quantized = any(isinstance(m, QuantizedWeight) for m in model.modules())
+        graph_sizes = None if quantized else graph_sizes
+        # Compiled steps pad their batch with rows that write to one extra, unowned block.
+        shape = (num_blocks + bool(graph_sizes), block_size, cfg.num_key_value_heads, cfg.head_dim)
         pack_for_inference(model)
         blocks = [*model.layers, *(mtp.block for mtp in model.mtp)]
         for layer in blocks:
@@ -65,6 +73,10 @@ class PagedModel:
                     attn.k_norm.weight.detach().expand(attn.num_kv_heads, -1),
                 )
             )
+        self.graphs = None
+        if graph_sizes:
+            max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // block_size))
+            self.graphs = DecodeGraphs(model, block_size, max_blocks, num_blocks, graph_sizes)
 
     def prepare(
         self, spans: list[TokenSpan]
@@ -122,5 +134,13 @@ class PagedModel:
     @torch.inference_mode()
     def forward(self, spans: list[TokenSpan]) -> torch.Tensor:
         """Final hidden states of every token of the spans (decodes must come first)."""
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and all(len(s.token_ids) == 1 for s in spans)
+            and graphs.fits(len(spans), max(len(s.block_table) for s in spans))
+        ):
+            ids = [s.token_ids[0] for s in spans]
+            return graphs.run(ids, [s.start for s in spans], [s.block_table for s in spans])
         input_ids, positions, meta = self.prepare(spans)
         return self.model(input_ids, positions, meta)

@@ -7,11 +7,14 @@ import pytest
 
 from serving.cli import main
 
+# One prompt each: compiling decode steps in the background would only cost time.
+GENERATE = ["generate", "--enforce-eager", "--model"]
+
 
 def test_generate(random_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
-    main(["generate", "--model", str(random_checkpoint), "--max-tokens", "3", "def main():"])
+    main([*GENERATE, str(random_checkpoint), "--max-tokens", "3", "def main():"])
     plain = capsys.readouterr().out
-    main(["generate", "--model", str(random_checkpoint), "--max-tokens", "3", "--chat", "Hi"])
+    main([*GENERATE, str(random_checkpoint), "--max-tokens", "3", "--chat", "Hi"])
     assert plain.strip() and capsys.readouterr().out.strip()
 
 
@@ -33,12 +36,12 @@ def test_errors_are_one_line(argv: list[str], capsys: pytest.CaptureFixture) -> 
 
 def test_prompt_too_long(random_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as e:
-        main(["generate", "--model", str(random_checkpoint), "--max-model-len", "8", "x " * 20])
+        main([*GENERATE, str(random_checkpoint), "--max-model-len", "8", "x " * 20])
     assert e.value.code == 2 and "maximum context length" in capsys.readouterr().err
 
 
 def test_generate_in_bfloat16(random_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
-    args = ["generate", "--model", str(random_checkpoint), "--max-tokens", "3"]
+    args = [*GENERATE, str(random_checkpoint), "--max-tokens", "3"]
     main([*args, "--dtype", "bfloat16", "--kv-cache-dtype", "auto", "def main():"])
     assert capsys.readouterr().out.strip()
 

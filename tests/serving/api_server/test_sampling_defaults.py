@@ -92,7 +92,9 @@ async def test_served_requests_without_temperature_decode_greedily(
 def test_generate_applies_the_generation_config(
     greedy_checkpoint: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    args = ["generate", "--model", str(greedy_checkpoint), "--max-tokens", "8", "--chat", "Hi"]
+    # One prompt a run: compiling decode steps would only cost time.
+    args = ["generate", "--enforce-eager", "--model", str(greedy_checkpoint), "--max-tokens", "8"]
+    args += ["--chat", "Hi"]
     outputs = []
     for extra in ([], [], ["--generation-config", "vllm"], ["--generation-config", "vllm"]):
         main([*args, *extra])

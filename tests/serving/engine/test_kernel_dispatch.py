@@ -133,7 +133,7 @@ def test_cuda_graph_decode_steps_serve_what_eager_steps_serve(
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _RerunGraph)
     monkeypatch.setattr(torch.cuda, "graph", capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    got = _generate(checkpoints["nvfp4"], params, max_num_seqs=4)
+    got = _generate(checkpoints["nvfp4"], params, max_num_seqs=4, enforce_eager=False)
     _assert_same(got, expected)
     assert sorted({n for n, _ in replays}) == [1, 2, 3, 4]
     graphs = replays[0][1]
@@ -141,4 +141,4 @@ def test_cuda_graph_decode_steps_serve_what_eager_steps_serve(
     # The last step of three decodes padded its fourth row back to the spare block.
     assert graphs.slots[3] == graphs.spare_slot and graphs.context_lens[3] == 1
     eager = EngineConfig(max_num_seqs=4, enforce_eager=True)
-    assert LLMEngine(load_checkpoint(checkpoints["nvfp4"]), eager).runner.graphs is None
+    assert LLMEngine(load_checkpoint(checkpoints["nvfp4"]), eager).runner.cuda_graphs is None

@@ -1,5 +1,5 @@
-"""A tier's `dtype` reaches its engine's command line, and one the CPU lacks stops the gateway
-before it starts anything."""
+"""A tier's `dtype` and `enforce_eager` reach its engine's command line, and a dtype the CPU
+lacks stops the gateway before it starts anything."""
 
 import re
 from pathlib import Path
@@ -23,6 +23,15 @@ def test_tier_dtype_is_passed_to_the_engine(random_checkpoint: Path) -> None:
     command = engine_command(config.tiers.full, 8123)
     args = build_parser(command_modules()).parse_args(command[command.index("engine") :])
     assert (args.dtype, args.kv_cache_dtype) == ("bfloat16", "auto")
+    assert not args.enforce_eager  # tiers compile their decode steps by default, as vLLM
+
+
+def test_tier_enforce_eager_is_passed_to_the_engine(random_checkpoint: Path) -> None:
+    config = _config(random_checkpoint, "auto")
+    tier = config.tiers.full.model_copy(update={"enforce_eager": True})
+    command = engine_command(tier, 8123)
+    args = build_parser(command_modules()).parse_args(command[command.index("engine") :])
+    assert args.enforce_eager
 
 
 @pytest.mark.skipif(

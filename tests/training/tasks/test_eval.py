@@ -78,6 +78,7 @@ def live_server(random_checkpoint: Path):
         "2048",
         "--served-model-name",
         "tiny-moe",
+        "--enforce-eager",
     ]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -1,0 +1,196 @@
+"""Compiled decode steps at padded batch sizes, the way vLLM captures CUDA graphs.
+
+A decode step of a small model on a CPU is bound by per-operation overhead: thousands of
+small ATen calls and the Python between them. `torch.compile` (inductor's C++ code) turns
+the forward into a few fused kernels and the projections' GEMMs, but only for fixed shapes.
+So, as vLLM does with CUDA graphs, decode-only steps are padded to the next of a few batch
+sizes and each size has its own graph (`dynamic=False`); a larger batch and every step with
+a prefill chunk or drafts run eagerly.
+
+Inputs live in preallocated buffers: token ids, positions, slots, context lengths, block
+tables padded to the longest a sequence can have, and the attention mask. Padding rows
+write their keys and values to a scratch block that no sequence owns, so they never
+touch real cache entries. Attention and the experts stay eager code behind `torch.library`
+ops (`attention.paged_decode`, `moe.moe_experts`) that the graphs call.
+
+Graphs are compiled when the engine starts, in a background thread, smallest size first;
+until a size is ready its batches run eagerly. Compiling first would hold the server's
+start (and a supervised restart) for the whole compilation: on a 2-core machine about 4 s
+a size from a warm cache, half a minute cold. Compiling on first use would stall whichever
+requests first reach a size. Inductor's caches live on disk (`compile_cache_dir`), so a
+restart retraces but does not recompile.
+"""
+
+import functools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from serving.model.attention import AttentionMetadata
+from serving.model.causal_lm import CausalLM
+
+logger = logging.getLogger(__name__)
+
+# vLLM's capture sizes, up to 32 sequences.
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def compile_cache_dir() -> Path:
+    """`$TIERSERVE_CACHE_DIR/inductor`, default `~/.cache/tierserve/inductor`."""
+    root = os.environ.get("TIERSERVE_CACHE_DIR") or Path.home() / ".cache" / "tierserve"
+    return Path(root) / "inductor"
+
+
+def graph_sizes(max_num_seqs: int) -> list[int]:
+    """The capture sizes a batch of up to `max_num_seqs` sequences pads to."""
+    sizes = [s for s in GRAPH_BATCH_SIZES if s < max_num_seqs]
+    return sizes + [s for s in GRAPH_BATCH_SIZES if s >= max_num_seqs][:1]
+
+
+@dataclass
+class _Inputs:
+    """A decode step's inputs for `size` sequences; rows past the batch are padding."""
+
+    ids: torch.Tensor  # [size]
+    positions: torch.Tensor  # [size]
+    slots: torch.Tensor  # [size]
+    context_lens: torch.Tensor  # [size]
+    block_tables: torch.Tensor  # [size, max_blocks]
+    mask: torch.Tensor  # [size, 1, 1, max_blocks * block_size] additive, the model's dtype
+
+    @classmethod
+    def padding(
+        cls, size: int, max_blocks: int, block_size: int, scratch_block: int, dtype: torch.dtype
+    ) -> "_Inputs":
+        """Every row a padding row: token 0 at position 0, in the scratch block."""
+        return cls(
+            ids=torch.zeros(size, dtype=torch.long),
+            positions=torch.zeros(size, dtype=torch.long),
+            slots=torch.full((size,), scratch_block * block_size, dtype=torch.long),
+            context_lens=torch.ones(size, dtype=torch.long),
+            block_tables=torch.full((size, max_blocks), scratch_block, dtype=torch.long),
+            mask=torch.zeros(size, 1, 1, max_blocks * block_size, dtype=dtype),
+        )
+
+    def head(self, size: int) -> "_Inputs":
+        return _Inputs(*(t[:size] for t in vars(self).values()))
+
+
+class DecodeGraphs:
+    """One compiled decode forward per padded batch size over one model's KV cache."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        block_size: int,
+        max_blocks: int,
+        scratch_block: int,
+        sizes: list[int],
+    ) -> None:
+        """`max_blocks`: the most blocks a sequence can hold; `scratch_block`: a cache block
+        no sequence owns, where padding rows write. Starts compiling in the background."""
+        # Set, not defaulted: importing some libraries (torchao) sets it to inductor's /tmp default.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
+        self.sizes = sizes
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        dtype = model.embed_tokens.weight.dtype
+        padding = functools.partial(
+            _Inputs.padding,
+            max_blocks=max_blocks,
+            block_size=block_size,
+            scratch_block=scratch_block,
+            dtype=dtype,
+        )
+        self.buffers = padding(sizes[-1])
+        self.key_positions = torch.arange(max_blocks * block_size)
+        self.forward = torch.compile(model, dynamic=False, fullgraph=True)
+        self.num_ready = 0  # sizes[:num_ready] are compiled
+        # Made here, not in the thread's inference mode: guards tell inference tensors apart.
+        inputs = [padding(size) for size in sizes]
+        self._capture = threading.Thread(
+            target=self._compile, args=(inputs,), name="decode-graphs", daemon=True
+        )
+        self._capture.start()
+
+    def wait(self) -> None:
+        """Until every size is compiled (benchmarks and tests)."""
+        self._capture.join()
+
+    @torch.inference_mode()
+    def _compile(self, inputs: list[_Inputs]) -> None:
+        """Each size on inputs of its own (padding rows: they touch only the scratch block),
+        so the engine may use the buffers meanwhile. A failure leaves the rest eager."""
+        # One cache entry per size and model (a process may hold several engines); dynamo's
+        # config is per thread.
+        torch._dynamo.config.recompile_limit = 64
+        start = time.monotonic()
+        try:
+            for padding in inputs:
+                self._call(padding)
+                self.num_ready += 1
+        except Exception:
+            logger.exception("compiling decode steps failed; they run eagerly")
+            return
+        logger.info(
+            "compiled decode steps for batch sizes %s in %.1f s (cache: %s)",
+            self.sizes,
+            time.monotonic() - start,
+            os.environ["TORCHINDUCTOR_CACHE_DIR"],
+        )
+
+    def fits(self, num_seqs: int, max_table_len: int) -> bool:
+        """Whether a decode batch can run in a compiled graph now."""
+        ready = self.sizes[: self.num_ready]
+        return (
+            bool(ready)
+            and num_seqs <= ready[-1]
+            and max_table_len <= self.buffers.block_tables.shape[1]
+        )
+
+    def run(
+        self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]
+    ) -> torch.Tensor:
+        """Final hidden states [B, hidden] of one token per sequence, in the graph of the
+        smallest size >= B (the batch must `fit`)."""
+        b = len(token_ids)
+        size = next(s for s in self.sizes if s >= b)
+        bs = self.block_size
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
+        rows = torch.tensor([token_ids, positions, slots])
+        buf = self.buffers
+        buf.ids[:b] = rows[0]
+        buf.positions[:b] = rows[1]
+        buf.slots[:b] = rows[2]
+        torch.add(rows[1], 1, out=buf.context_lens[:b])
+        width = max(map(len, block_tables))
+        buf.block_tables[:b, :width] = torch.tensor(
+            [t + [0] * (width - len(t)) for t in block_tables]
+        )
+        pad = buf.head(size)
+        pad.ids[b:] = 0
+        pad.positions[b:] = 0
+        pad.slots[b:] = self.scratch_block * bs
+        pad.context_lens[b:] = 1
+        pad.block_tables[b:, 0] = self.scratch_block
+        return self._call(pad)[:b]
+
+    def _call(self, inputs: _Inputs) -> torch.Tensor:
+        """The compiled forward; the mask is filled as far as the longest context needs."""
+        keys = -(-int(inputs.context_lens.max()) // self.block_size) * self.block_size
+        inputs.mask[:, 0, 0, :keys].zero_().masked_fill_(
+            self.key_positions[:keys] >= inputs.context_lens[:, None], float("-inf")
+        )
+        meta = AttentionMetadata(
+            slot_mapping=inputs.slots,
+            num_decodes=inputs.ids.shape[0],
+            decode_block_tables=inputs.block_tables,
+            decode_context_lens=inputs.context_lens,
+            decode_mask=inputs.mask,
+        )
+        return self.forward(inputs.ids, inputs.positions, meta)

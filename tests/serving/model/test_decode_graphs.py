@@ -1,0 +1,59 @@
+"""Compiled decode steps (`serving/model/decode_graphs.py`): the same greedy tokens as eager
+steps, padding rows that leave every sequence's cache alone, and the compile cache on disk.
+
+One tiny model and one padded batch size keep the compilation short (tens of seconds cold)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from serving.engine import llm_engine
+from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model.checkpoint import load_checkpoint
+from serving.model.decode_graphs import graph_sizes
+from serving.model.sampling import SamplingParams
+from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
+
+
+def test_graph_sizes_cover_max_num_seqs():
+    assert graph_sizes(1) == [1]
+    assert graph_sizes(3) == [1, 2, 4]
+    assert graph_sizes(32) == [1, 2, 4, 8, 16, 32]
+    assert graph_sizes(64) == [1, 2, 4, 8, 16, 32]  # larger batches run eagerly
+
+
+@pytest.mark.slow
+def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "not-this-one"))
+    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [4])  # one graph
+    ckpt = save_tiny_moe(tmp_path / "tiny-moe")
+    # Different lengths, so decode batches of 3, 2 and 1 are padded to 4; a 16-token budget
+    # chunks the prompts, so mixed steps (eager) come between decode-only steps (compiled).
+    ps = prompts(3, TINY_MOE["vocab_size"], seed=3)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (30, 20, 10)]
+    config = dict(max_num_seqs=4, max_num_batched_tokens=16)
+    eager = LLMEngine(load_checkpoint(ckpt), EngineConfig(**config), eos_token_ids=[])
+    compiled = LLMEngine(
+        load_checkpoint(ckpt), EngineConfig(**config, enforce_eager=False), eos_token_ids=[]
+    )
+    graphs = compiled.runner.graphs
+    graphs.wait()
+    assert graphs.num_ready == 1
+    compiled_frames = counters["frames"]["total"]
+    sizes = []
+    run = graphs.run
+    graphs.run = lambda ids, *a: (sizes.append(len(ids)), run(ids, *a))[1]
+    want = [o[0].token_ids for o in eager.generate(ps, params)]
+    got = [o[0].token_ids for o in compiled.generate(ps, params)]
+    assert got == want
+    assert {1, 2, 3} <= set(sizes)  # every batch size went through the padded graph
+    assert counters["frames"]["total"] == compiled_frames  # the engine used the thread's graph
+    # Padding rows wrote only to the scratch block past the sequences' blocks.
+    n = eager.blocks.num_blocks
+    for a, b in zip(eager.model.layers, compiled.model.layers, strict=True):
+        torch.testing.assert_close(b.self_attn.k_cache[:n], a.self_attn.k_cache)
+        torch.testing.assert_close(b.self_attn.v_cache[:n], a.self_attn.v_cache)
+    assert any((tmp_path / "cache" / "inductor").iterdir())
