@@ -95,7 +95,8 @@ def test_every_tensor_of_a_step_is_made_on_the_models_device(method):
 
 
 def test_generate_on_an_explicit_cpu(random_checkpoint: Path, capsys) -> None:
-    argv = ["generate", "--model", str(random_checkpoint), "--max-tokens", "3"]
+    # Eager: a compiled engine's background compilation would outlive the test.
+    argv = ["generate", "--enforce-eager", "--model", str(random_checkpoint), "--max-tokens", "3"]
     main([*argv, "--device", "cpu", "def main():"])
     assert capsys.readouterr().out.strip()
 
