@@ -16,6 +16,7 @@ from serving.engine.sequence import Sequence
 from serving.engine.tool_constraint import ToolCallConstraint
 from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
+from serving.model.config import ModelConfig
 from serving.model.decode_graphs import graph_sizes
 from serving.model.device import kv_cache_budget, resolve_device
 from serving.model.dtype import resolve_kv_cache_dtype
@@ -149,7 +150,12 @@ class LLMEngine:
             budget = kv_cache_budget(weight.device, config.gpu_memory_utilization)
         elif budget is None:
             budget = CPU_KV_CACHE_BYTES
-        num_blocks = budget // kv_bytes_per_block(model.config, config.block_size, kv_dtype)
+        per_block = kv_bytes_per_block(model.config, config.block_size, kv_dtype)
+        if config.speculative and config.speculative.method == "draft":
+            # The draft model keeps as many blocks as the target (`_proposer`): one budget.
+            draft = ModelConfig.from_file(Path(config.speculative.model) / "config.json")
+            per_block += kv_bytes_per_block(draft, config.block_size, weight.dtype)
+        num_blocks = budget // per_block
         num_blocks -= graphs  # the spare block of CUDA graphs' padded rows (below)
         if num_blocks < 1:
             raise ValueError(f"a KV cache budget of {budget} bytes is too small for one block")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model.config import ModelConfig
 from serving.model.paged import kv_bytes_per_block
 from serving.model.sampling import SamplingParams
 from speculative.config import SpeculativeConfig
@@ -119,10 +120,17 @@ def test_stop_strings_budget_cuts_and_preemption_with_drafts(chat_prompts):
     block_bytes = kv_bytes_per_block(model.config, 16, model.embed_tokens.weight.dtype)
     longest = max(map(len, prompts)) + 40
     # Room for the longest request and a little: the others get preempted.
-    small = dict(max_num_batched_tokens=48, kv_cache_bytes=(longest // 16 + 6) * block_bytes)
+    blocks = longest // 16 + 6
+    small = dict(max_num_batched_tokens=48, kv_cache_bytes=blocks * block_bytes)
     plain, _ = _generate_checked(_engine(None, **small), prompts, params)
+    draft = ModelConfig.from_file(DRAFT / "config.json")
+    # The draft model's cache comes out of the same budget.
+    draft_bytes = kv_bytes_per_block(draft, 16, model.embed_tokens.weight.dtype)
     for method in ("mtp", "draft"):
-        engine = _engine(SPECS[method], **small)
+        extra = blocks * draft_bytes if method == "draft" else 0
+        engine = _engine(
+            SPECS[method], **{**small, "kv_cache_bytes": small["kv_cache_bytes"] + extra}
+        )
         spec, seen = _generate_checked(engine, prompts, params)
         assert [_flatten(a) for a in plain] == [_flatten(b) for b in spec]
         assert any(_flatten(a)[2] == "stop" for a in plain)
@@ -202,3 +210,16 @@ def test_ngram_lookup_takes_the_latest_longest_match():
     tokens = torch.tensor([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
     assert ngram_lookup(tokens, 3, 1, 3) == [7, 8, 5]  # "2 3" last seen before 7 8 5
     assert ngram_lookup(torch.tensor([4, 5, 6]), 3, 1, 3) == []
+
+
+def test_the_draft_models_cache_shares_the_kv_budget() -> None:
+    """The drafter keeps as many blocks as the target, so both caches fit the one budget."""
+    budget = 4 << 20
+    engine = _engine(SPECS["draft"], kv_cache_bytes=budget)
+    target = engine.model
+    drafter = engine.speculator.proposer.runner.model
+    per_block = sum(
+        kv_bytes_per_block(m.config, 16, m.embed_tokens.weight.dtype) for m in (target, drafter)
+    )
+    assert engine.blocks.num_blocks == budget // per_block
+    assert engine.speculator.proposer.blocks.num_blocks == engine.blocks.num_blocks
