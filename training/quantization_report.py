@@ -31,8 +31,8 @@ def _logits(model: CausalLM, batch: Batch) -> torch.Tensor:
         return model.compute_logits(hidden)
 
 
-def _quantization(model_dir: Path) -> str:
-    quant = load_checkpoint(model_dir).config.quantization
+def _quantization(model: CausalLM) -> str:
+    quant = model.config.quantization
     return "-" if quant is None else quant["format"].removesuffix("-pack-quantized")
 
 
@@ -69,7 +69,7 @@ def compare(
         rows.append(
             {
                 "model": str(candidate),
-                "quantization": _quantization(candidate),
+                "quantization": _quantization(model),
                 "weights MB": round(_size_mb(candidate), 1),
                 "KL": kl / count,
                 "top-1 agreement": agree / count,
