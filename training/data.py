@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from training.natural import naturalize
-from training.tasks.base import Domain, Style, Task
+from training.tasks.base import Domain, Style, Task, Verdict
 from training.tasks.seeds import train_seed
 
 
@@ -46,22 +46,14 @@ def sft_examples(
         rng = random.Random(f"natural:{task.domain}:{task.seed}:{task.difficulty}")
         if rng.random() < natural:
             task, system = naturalize(task, rng)
-        episode = domain.start(task)
-        if system is not None:
-            episode.messages.insert(0, {"role": "system", "content": system})
-        turns: list[tuple[list[dict[str, Any]], str]] = []
-        try:
-            for turn in domain.reference(task, style):
-                turns.append((copy.deepcopy(episode.messages), turn))
-                if episode.step(turn):
-                    break
-            verdict = episode.verdict()
-        finally:
-            episode.close()
+        # A second try: on a loaded machine a sandboxed command can hit its time limit.
+        messages, turns, verdict = _play_reference(domain, task, system, style)
+        if verdict.reward < 1.0:
+            messages, turns, verdict = _play_reference(domain, task, system, style)
         if verdict.reward < 1.0:
             raise RuntimeError(f"{task.domain} seed {task.seed}: reference: {verdict.reason}")
         example: dict[str, Any] = {
-            "messages": episode.messages,
+            "messages": messages,
             "turns": turns,
             "domain": task.domain,
             "difficulty": task.difficulty,
@@ -69,6 +61,25 @@ def sft_examples(
         if task.tools:
             example["tools"] = task.tools
         yield example
+
+
+def _play_reference(
+    domain: Domain, task: Task, system: str | None, style: Style
+) -> tuple[list[dict[str, Any]], list[tuple[list[dict[str, Any]], str]], Verdict]:
+    """The reference solution played through a real episode: the final conversation, each
+    assistant turn with the conversation before it, and the verdict."""
+    episode = domain.start(task)
+    if system is not None:
+        episode.messages.insert(0, {"role": "system", "content": system})
+    turns: list[tuple[list[dict[str, Any]], str]] = []
+    try:
+        for turn in domain.reference(task, style):
+            turns.append((copy.deepcopy(episode.messages), turn))
+            if episode.step(turn):
+                break
+        return episode.messages, turns, episode.verdict()
+    finally:
+        episode.close()
 
 
 def pretrain_documents(

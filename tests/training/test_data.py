@@ -6,6 +6,7 @@ import pytest
 
 from training.data import pretrain_documents, sft_examples, tasks
 from training.tasks import get_domain
+from training.tasks.base import Verdict
 from training.tasks.seeds import eval_seed
 
 
@@ -29,3 +30,31 @@ def test_builders_stream_and_refuse_held_out_seeds():
     assert len(docs) == 5 and all(docs)
     with pytest.raises(ValueError, match="held out"):
         next(tasks(domain, [eval_seed(0, 0)], [1]))
+
+
+class _FlakyVerdicts:
+    """A domain whose episodes fail their first `failures` verdicts (a sandbox timeout)."""
+
+    def __init__(self, failures: int) -> None:
+        self.inner, self.failures = get_domain("math"), failures
+
+    def generate(self, seed, difficulty):
+        return self.inner.generate(seed, difficulty)
+
+    def reference(self, task, style):
+        return self.inner.reference(task, style)
+
+    def start(self, task):
+        episode = self.inner.start(task)
+        verdict = episode.verdict
+        fail = self.failures > 0
+        self.failures -= 1
+        episode.verdict = lambda: Verdict(0.0, "timeout") if fail else verdict()
+        return episode
+
+
+def test_a_reference_that_fails_once_is_replayed_and_twice_raises():
+    (example,) = sft_examples(_FlakyVerdicts(1), [0], [1], "think")
+    assert example["messages"][-1]["role"] == "assistant"
+    with pytest.raises(RuntimeError, match="reference: timeout"):
+        next(sft_examples(_FlakyVerdicts(2), [0], [1], "think"))
