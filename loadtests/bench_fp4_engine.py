@@ -1,9 +1,11 @@
 """FP4 checkpoints against the unquantized model in our engine, side by side in one run.
 
 On the common benchmark shape (`bench-moe-43m.json`, random weights), the fp32 checkpoint
-and its `tierserve quantize` copies (MXFP4 and NVFP4 experts; NVFP4 on every linear layer)
-are served by the same engine on CPU: greedy, prompts of 64-256 tokens, 128 new tokens,
-1/4/16 concurrent requests. Prints the resident weight memory of each model and its decode
+(in fp32 and in bf16) and its `tierserve quantize` copies (MXFP4 and NVFP4 experts; NVFP4 on
+every linear layer) are served by the same engine on CPU: greedy, prompts of 64-256 tokens,
+128 new tokens, 1/4/16 concurrent requests. The FP4 copies run two ways: with their FP4
+modules kept (`keep_fp4=True`, dequantizing per step) and as the CPU loads them by default,
+dequantized once at load to bf16. Prints the resident weight memory of each and its decode
 tokens/s (tokens generated once every request has its first token, over that time).
 
     python loadtests/bench_fp4_engine.py [--concurrency 1 4 16] [--new-tokens 128]
@@ -26,6 +28,17 @@ VARIANTS = {  # name: (format, all_linear), None for the unquantized checkpoint
     "mxfp4 experts": ("mxfp4", False),
     "nvfp4 experts": ("nvfp4", False),
     "nvfp4 all linear": ("nvfp4", True),
+}
+
+
+# row: (checkpoint variant, dtype, keep_fp4)
+ROWS = {
+    "fp32": ("fp32", torch.float32, None),
+    "bf16": ("fp32", torch.bfloat16, None),
+    "mxfp4 experts, FP4 per step": ("mxfp4 experts", torch.float32, True),
+    "nvfp4 experts, FP4 per step": ("nvfp4 experts", torch.float32, True),
+    "nvfp4 all linear, FP4 per step": ("nvfp4 all linear", torch.float32, True),
+    "nvfp4 all linear, dequantized at load to bf16": ("nvfp4 all linear", torch.bfloat16, None),
 }
 
 
@@ -80,8 +93,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     full = build_checkpoint(args.checkpoint)
     engines, nbytes = {}, {}
-    for name, path in variant_checkpoints(full).items():
-        model = load_checkpoint(path)
+    paths = variant_checkpoints(full)
+    for name, (variant, dtype, keep_fp4) in ROWS.items():
+        model = load_checkpoint(paths[variant], dtype, keep_fp4=keep_fp4)
         nbytes[name] = weight_bytes(model)
         engines[name] = LLMEngine(
             model, EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024), []

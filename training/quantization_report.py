@@ -14,6 +14,7 @@ import torch
 
 from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
+from serving.model.config import ModelConfig
 from serving.model.tokenizer import Tokenizer
 from training.config import DataConfig
 from training.datasets import IGNORE, Batch, SFTDataset, build_sft
@@ -31,8 +32,8 @@ def _logits(model: CausalLM, batch: Batch) -> torch.Tensor:
         return model.compute_logits(hidden)
 
 
-def _quantization(model: CausalLM) -> str:
-    quant = model.config.quantization
+def _quantization(model_dir: Path) -> str:
+    quant = ModelConfig.from_file(model_dir / "config.json").quantization
     return "-" if quant is None else quant["format"].removesuffix("-pack-quantized")
 
 
@@ -69,7 +70,7 @@ def compare(
         rows.append(
             {
                 "model": str(candidate),
-                "quantization": _quantization(model),
+                "quantization": _quantization(candidate),
                 "weights MB": round(_size_mb(candidate), 1),
                 "KL": kl / count,
                 "top-1 agreement": agree / count,

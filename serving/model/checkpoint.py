@@ -13,6 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from kernels import ops
 from kernels.formats import FP4Format
 from serving.model import quantization
 from serving.model.causal_lm import CausalLM
@@ -53,10 +54,18 @@ def read_safetensors(path: Path, device: torch.device = CPU) -> dict[str, torch.
 
 
 def load_checkpoint(
-    path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device = CPU
+    path: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device = CPU,
+    keep_fp4: bool | None = None,
 ) -> CausalLM:
     """The model in `dtype` on `device`: a torch dtype, or a `--dtype` name (`auto`: the
-    checkpoint's)."""
+    checkpoint's).
+
+    FP4 weights stay FP4 where the Triton kernels run (`keep_fp4=None`: on CUDA). Elsewhere
+    they are dequantized once, at load, to `dtype`: on CPU that serves at the speed of the
+    unquantized model (FP4 per step costs 23-50% of decode speed, README "The CPU path"), in
+    the memory of a `dtype` checkpoint. `keep_fp4=True` keeps the FP4 modules on CPU too."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
@@ -69,8 +78,12 @@ def load_checkpoint(
     if config.quantization is not None:
         fmt = quantization.checkpoint_format(config.quantization)
         hf = quantization.unpack_state_dict(hf)
-        with torch.device("meta"):
-            quantization.use_quantized_modules(model, hf, fmt)
+        if keep_fp4 if keep_fp4 is not None else ops.use_triton(device):
+            with torch.device("meta"):
+                quantization.use_quantized_modules(model, hf, fmt)
+        else:  # a plain model now: saving it must not claim FP4 weights
+            hf = quantization.dequantize_state_dict(hf, fmt, dtype)
+            config.quantization = None
     state = from_hf_state_dict(hf, model)
     # FP4 arrays keep their dtypes (uint8 codes and scales, fp32 row scales).
     state = {k: v if k.rpartition(".")[2] in FP4_PARTS else v.to(dtype) for k, v in state.items()}
@@ -132,9 +145,9 @@ def sampling_defaults(path: str | Path, mode: GenerationConfigMode) -> dict[str,
 
 def quantize_checkpoint(src: Path, out: Path, format: FP4Format, all_linear: bool) -> None:
     """Post-training quantization of a checkpoint directory into a new one."""
-    model = load_checkpoint(src)
-    if model.config.quantization is not None:
+    if ModelConfig.from_file(Path(src) / "config.json").quantization is not None:
         raise CheckpointError(f"{src}: already quantized")
+    model = load_checkpoint(src)
     state = quantization.quantize_state_dict(to_hf_state_dict(model), format, all_linear)
     out.mkdir(parents=True, exist_ok=True)
     model.config.quantization = quantization.quantization_config(format, all_linear)

@@ -22,6 +22,8 @@ from torch import nn
 from kernels.formats import (
     BLOCK_SIZE,
     FP4Format,
+    FP4Tensor,
+    dequantize,
     nvfp4_global_scale,
     quantize_mxfp4,
     quantize_nvfp4,
@@ -29,7 +31,7 @@ from kernels.formats import (
 from kernels.modules import FP4Linear, QuantizedWeight
 from serving.model.causal_lm import CausalLM
 from serving.model.config import CheckpointError
-from serving.model.hf_state_dict import hf_name
+from serving.model.hf_state_dict import FP4_PARTS, hf_name
 from serving.model.moe import SparseMoE
 
 FORMAT_NAMES: dict[str, FP4Format] = {
@@ -120,6 +122,22 @@ def unpack_state_dict(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 out[f"{base}.row_scale"] = (1.0 / gs).expand(v.shape[0]).clone()
         elif not re.search(r"\.weight_(scale|global_scale)$", k):
             out[k] = v
+    return out
+
+
+def dequantize_state_dict(
+    hf: dict[str, torch.Tensor], format: FP4Format, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """An unpacked FP4 state dict (`unpack_state_dict`) with every FP4 weight replaced by its
+    plain `dtype` weight: the checkpoint's values exactly (the lookup-table dequantization is
+    exact in fp32), loaded as an unquantized model."""
+    out = {k: v for k, v in hf.items() if k.rpartition(".")[2] not in FP4_PARTS}
+    for k in hf:
+        if k.endswith(".weight.packed"):
+            base = k.removesuffix(".packed")
+            k_in = hf[k].shape[-1] * 2  # checkpoints hold whole blocks
+            t = FP4Tensor(format, hf[k], hf[f"{base}.scales"], hf.get(f"{base}.row_scale"), k_in)
+            out[base] = dequantize(t, dtype)
     return out
 
 

@@ -114,7 +114,7 @@ def test_all_linear_quantizes_attention_and_keeps_q_k_v_on_one_scale(quantized):
     scales = [hf[f"{a}.{p}_proj.weight_global_scale"] for p in "qkv"]
     assert torch.equal(scales[0], scales[1]) and torch.equal(scales[0], scales[2])
     assert f"{a}.o_proj.weight_packed" in hf and "lm_head.weight" in hf
-    model = load_checkpoint(quantized["nvfp4", True])
+    model = load_checkpoint(quantized["nvfp4", True], keep_fp4=True)
     assert isinstance(model.layers[0].self_attn.qkv_proj, FP4Linear)
     assert isinstance(model.layers[0].mlp.gate_up, QuantizedWeight)
     assert isinstance(model.lm_head, torch.nn.Linear)
@@ -125,9 +125,26 @@ def test_all_linear_quantizes_attention_and_keeps_q_k_v_on_one_scale(quantized):
 def test_fp4_model_computes_what_its_bytes_hold(quantized, tmp_path, fmt, all_linear):
     path = quantized[fmt, all_linear]
     ids = torch.tensor(prompts(3, TINY_MOE["vocab_size"], seed=5)[0])[None]
-    ours = logits(load_checkpoint(path), ids)
+    ours = logits(load_checkpoint(path, keep_fp4=True), ids)
     oracle = logits(load_checkpoint(dequantized_copy(path, tmp_path / "plain")), ids)
     torch.testing.assert_close(ours, oracle, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("all_linear", [False, True])
+def test_cpu_dequantizes_fp4_at_load_into_the_same_weights(quantized, tmp_path, fmt, all_linear):
+    """Off CUDA the FP4 weights become plain `dtype` weights once, at load: the bytes' exact
+    values, no FP4 module left, and a config that no longer claims FP4 (so a save is plain)."""
+    path = quantized[fmt, all_linear]
+    plain = load_checkpoint(dequantized_copy(path, tmp_path / "plain")).state_dict()
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_checkpoint(path, dtype)
+        assert model.config.quantization is None
+        assert not any(isinstance(m, (FP4Linear, QuantizedWeight)) for m in model.modules())
+        state = model.state_dict()
+        assert state.keys() == plain.keys()
+        for k, v in plain.items():
+            assert state[k].dtype == dtype and torch.equal(state[k], v.to(dtype)), k
 
 
 def test_quality_against_full_precision(full, quantized):
@@ -150,7 +167,7 @@ def test_engine_serves_an_fp4_checkpoint_as_its_dequantized_twin(quantized, tmp_
     path = quantized["nvfp4", True]
     outs = {}
     for name, ckpt in (("fp4", path), ("plain", dequantized_copy(path, tmp_path / "plain"))):
-        engine = LLMEngine(load_checkpoint(ckpt), EngineConfig(), eos_token_ids=[])
+        engine = LLMEngine(load_checkpoint(ckpt, keep_fp4=True), EngineConfig(), eos_token_ids=[])
         outs[name] = [o[0].token_ids for o in engine.generate(ps, greedy)]
     assert outs["fp4"] == outs["plain"]
 
