@@ -317,7 +317,9 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
             disable_qat(model)
             latent = export(model, out_dir / "model-latent", tok_dir, torch.float32)
             shutil.rmtree(final, ignore_errors=True)
-            quantize_checkpoint(latent, final, config.qat.format, config.qat.all_linear)
+            quantize_checkpoint(
+                latent, final, config.qat.format, config.qat.all_linear, torch.bfloat16
+            )
             shutil.rmtree(latent)
         else:
             export(model, final, tok_dir, torch.bfloat16)

@@ -143,15 +143,23 @@ def sampling_defaults(path: str | Path, mode: GenerationConfigMode) -> dict[str,
     return defaults
 
 
-def quantize_checkpoint(src: Path, out: Path, format: FP4Format, all_linear: bool) -> None:
-    """Post-training quantization of a checkpoint directory into a new one."""
-    if ModelConfig.from_file(Path(src) / "config.json").quantization is not None:
+def quantize_checkpoint(
+    src: Path, out: Path, format: FP4Format, all_linear: bool, dtype: torch.dtype | None = None
+) -> None:
+    """Post-training quantization of a checkpoint directory into a new one. The FP4 weights
+    are quantized from fp32; what stays in full precision (embeddings, norms, routers, the
+    LM head) is stored in `dtype`, by default the source's."""
+    source = ModelConfig.from_file(Path(src) / "config.json")
+    if source.quantization is not None:
         raise CheckpointError(f"{src}: already quantized")
+    dtype = dtype or getattr(torch, source.dtype or "float32")
     model = load_checkpoint(src)
     state = quantization.quantize_state_dict(to_hf_state_dict(model), format, all_linear)
+    state = {k: v if ".weight_" in k else v.to(dtype) for k, v in state.items()}
     out.mkdir(parents=True, exist_ok=True)
     model.config.quantization = quantization.quantization_config(format, all_linear)
-    (out / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    config = model.config.to_dict() | {"dtype": str(dtype).removeprefix("torch.")}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(
         {k: v.contiguous() for k, v in state.items()},
         out / "model.safetensors",

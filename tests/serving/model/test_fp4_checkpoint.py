@@ -17,7 +17,7 @@ from serving.api_server.api_server import build_app
 from serving.cli import main
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
-from serving.model.checkpoint import TOKENIZER_FILES, load_checkpoint
+from serving.model.checkpoint import TOKENIZER_FILES, load_checkpoint, quantize_checkpoint
 from serving.model.config import CheckpointError
 from serving.model.quantization import quantize_state_dict
 from serving.model.sampling import SamplingParams
@@ -223,3 +223,20 @@ async def test_tier_server_answers_from_an_fp4_checkpoint(random_checkpoint, tmp
         assert response.status_code == 200, response.text
         answers.append(response.json()["choices"][0]["message"])
     assert answers[0]["content"] and answers[0] == answers[1]
+
+
+def test_quantize_stores_the_full_precision_rest_in_the_dtype_asked(full, quantized, tmp_path):
+    """A QAT export quantizes from its fp32 latent but ships embeddings, norms and routers in
+    bf16, like every shipped model; by default the source's dtype is kept."""
+    assert json.loads((quantized["nvfp4", False] / "config.json").read_text())["dtype"] == "float32"
+    out = tmp_path / "bf16-rest"
+    quantize_checkpoint(full, out, "nvfp4", False, torch.bfloat16)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    hf = load_file(out / "model.safetensors")
+    assert hf["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert hf["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
+    packed = "model.layers.0.mlp.experts.0.down_proj.weight_packed"
+    fp32_rest = load_file(quantized["nvfp4", False] / "model.safetensors")
+    assert torch.equal(hf[packed], fp32_rest[packed])
+    model = load_checkpoint(out, "auto")
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
