@@ -9,10 +9,11 @@ import torch
 from serving.engine import cuda_graphs
 from serving.engine.block_manager import BlockManager
 from serving.engine.detokenizer import IncrementalDetokenizer
-from serving.engine.json_constraint import JsonObjectConstraint, json_vocabulary
+from serving.engine.json_constraint import JsonObjectConstraint
 from serving.engine.model_runner import ModelRunner, SampledTokens
 from serving.engine.scheduler import Scheduler
 from serving.engine.sequence import Sequence
+from serving.engine.token_vocabulary import json_vocabulary
 from serving.engine.tool_constraint import ToolCallConstraint
 from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint

@@ -19,16 +19,16 @@ import json
 from collections.abc import Hashable, Iterable
 from typing import Any
 
-from serving.engine.json_constraint import (
+from serving.engine.json_constraint import JsonObjectConstraint
+from serving.engine.json_validator import (
     _DONE,
     _INITIAL,
     _STRING,
     MAX_WHITESPACE,
     ByteValidator,
-    JsonObjectConstraint,
-    Vocabulary,
     _step,
 )
+from serving.engine.token_vocabulary import Vocabulary
 from serving.model.chat_format import CALL_END, CALL_START
 
 # Segments, the first field of a state.

@@ -12,14 +12,11 @@ import tokenizers
 import torch
 
 from serving.api_server.protocol import ChatCompletionRequest
-from serving.engine.json_constraint import (
-    MAX_WHITESPACE,
-    JsonObjectConstraint,
-    JsonValidator,
-    json_vocabulary,
-)
+from serving.engine.json_constraint import JsonObjectConstraint
+from serving.engine.json_validator import MAX_WHITESPACE, JsonValidator
 from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine, SequenceOutput
 from serving.engine.sampler import Sampler, SamplingRow
+from serving.engine.token_vocabulary import json_vocabulary
 from serving.model.causal_lm import CausalLM
 from serving.model.config import ModelConfig
 from serving.model.sampling import SamplingParams

@@ -6,10 +6,7 @@ import random
 
 import pytest
 
-from serving.engine.json_constraint import (
-    MAX_WHITESPACE,
-    JsonValidator,
-)
+from serving.engine.json_validator import MAX_WHITESPACE, JsonValidator
 
 VALID = [
     "{}",

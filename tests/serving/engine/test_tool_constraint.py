@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from serving.engine.json_constraint import MAX_WHITESPACE, json_vocabulary
+from serving.engine.json_validator import MAX_WHITESPACE
 from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine
+from serving.engine.token_vocabulary import json_vocabulary
 from serving.engine.tool_constraint import ToolCallConstraint, ToolCallValidator, call_head
 from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import Tokenizer
