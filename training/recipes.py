@@ -1,7 +1,9 @@
 """Recipes: the whole chain from nothing to the three shipped models.
 
 tokenizer -> pretrain (the base MoE, with MTP) -> SFT in the think style (the full tier)
-and in the short style (the first highspeed model), both from the same base -> the full
+and in the short style (the first highspeed model), both from the same base -> with a
+`qat.toml`, quantization-aware SFT of the short model, whose FP4 export is the highspeed
+tier that ships -> the full
 tier's post-training stages that the recipe has (`dpo.toml`, `rl.toml`), each evaluated on
 held-out tasks against the model before it -> a dense drafter distilled from the full model
 that ships -> model cards with every stage's table, and the three Hugging Face directories
@@ -169,6 +171,11 @@ def run_recipe(
         ("sft-think", "sft.toml", {"init": str(work / "pretrain" / "model"), "style": "think"}),
         ("sft-short", "sft.toml", {"init": str(work / "pretrain" / "model"), "style": "short"}),
     ]
+    short_stages = ["sft-short"]
+    if (src / "qat.toml").exists():
+        fields = {"init": str(work / "sft-short" / "model"), "style": "short"}
+        stages.append(("qat-short", "qat.toml", fields))
+        short_stages.append("qat-short")
     for stage, file, fields in stages:
         config = load_stage_config(src / file, **fields)
         timed(stage, lambda config=config, stage=stage: run_stage(config, work / stage))
@@ -177,7 +184,7 @@ def run_recipe(
             f"eval-{stage}",
             lambda s=stage: evaluate_model(work / s / "model", recipe, work / f"eval-{s}.json"),
         )
-        for stage in ("sft-think", "sft-short")
+        for stage in ("sft-think", *short_stages)
     }
     full_stages = ["sft-think"]
     regressions: dict[str, list[str]] = {}
@@ -199,7 +206,7 @@ def run_recipe(
                 raise RegressionError(message + " (rerun with --continue-on-regression to go on)")
             print(f"warning: {message}", flush=True)
     best = max(full_stages, key=lambda s: _mean_completion(evals[s]))
-    full, short = work / best / "model", work / "sft-short" / "model"
+    full, short = work / best / "model", work / short_stages[-1] / "model"
     config = load_stage_config(src / "draft.toml", init=str(full))
     timed("draft", lambda: run_stage(config, work / "draft"))
     draft = work / "draft" / "model"
@@ -210,7 +217,11 @@ def run_recipe(
             f"### {s}{' (shipped)' if s == best else ''}\n\n{harness.format_table(evals[s])}"
             for s in full_stages
         ),
-        "highspeed": harness.format_table(evals["sft-short"]),
+        "highspeed": "\n\n".join(
+            f"### {s}{' (shipped)' if s == short_stages[-1] else ''}\n\n"
+            f"{harness.format_table(evals[s])}"
+            for s in short_stages
+        ),
     }
     agreement_data = DataConfig(**recipe["draft_agreement"])
     agreement = draft_agreement(draft, full, agreement_data, 1024)
@@ -218,8 +229,13 @@ def run_recipe(
         "full": "The full tier: the base MoE fine-tuned on step-by-step reasoning traces "
         "(`<think>...</think>` before the answer) of the four task domains, then "
         f"post-trained ({' -> '.join(full_stages)}); the `{best}` model ships.",
-        "highspeed": "The first highspeed model: the same base fine-tuned on short direct "
-        "answers of the same tasks.",
+        "highspeed": "The highspeed tier: the same base fine-tuned on short direct answers of "
+        "the same tasks"
+        + (
+            ", then trained through FP4 expert weights (quantization-aware) and stored as FP4."
+            if "qat-short" in short_stages
+            else "."
+        ),
         "draft": f"A dense drafter distilled from `{name}-full`'s next-token distributions, "
         "for speculative decoding. Greedy agreement with the full model on held-out "
         f"completion tokens: {agreement:.1%}.",
