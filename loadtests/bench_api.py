@@ -4,12 +4,15 @@ Starts `tierserve engine` on the benchmark checkpoint, then at each concurrency 
 client streams, each sending 2 streamed greedy `/v1/completions` requests one after the other
 (prompts of 128 token ids, 128 new tokens, EOS ignored): the client of the llama-server
 comparison in /work/shared/REFERENCE_FIGURES.md. The same prompts then run through an
-`LLMEngine` in this process (the engine's offline figure). Prints generated tokens/s of both
-and their ratio, mean TTFT, inter-token latency p50/p99 (gaps between streamed chunks), and
-the server's startup time to its first /health 200 and to its compiled decode steps (both
-engines compile theirs and the runs wait for them, unless `--enforce-eager`).
+`LLMEngine` in this process, stepped on a thread of its own as the server steps its engine
+(the engine's offline figure). API and offline runs alternate, `--rounds` of each per
+concurrency, so a slow minute of a shared machine hits both; the table gives the medians.
+Prints generated tokens/s of both and their ratio (with its range over the rounds), mean
+TTFT, inter-token latency p50/p99 (gaps between streamed chunks), and the server's startup
+time to its first /health 200 and to its compiled decode steps (both engines compile theirs
+and the runs wait for them, unless `--enforce-eager`).
 
-    python -m loadtests.bench_api [--concurrency 1 4 16] [--dtype float32] [--enforce-eager]
+    python -m loadtests.bench_api [--concurrency 1 4 16] [--rounds 3] [--dtype float32]
 """
 
 import argparse
@@ -20,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -130,20 +134,45 @@ async def run_api(port: int, prompts: list[list[int]], new: int) -> dict:
 
 
 def run_offline(engine: LLMEngine, prompts: list[list[int]], new: int) -> float:
-    """Generated tokens/s, each prompt run twice in a row as the API's streams do."""
+    """Generated tokens/s, each prompt run twice in a row as the API's streams do.
+
+    The engine steps on a thread of its own, as in the server (`AsyncEngine`), so the two
+    figures differ only by the API layer. It matters with 2 torch threads on shared cores:
+    stepped on the main thread, OpenMP's worker spins between parallel regions and the
+    engine collapsed (6 tok/s at 4 streams, both threads at 100% CPU, against 220 tok/s on
+    a thread of its own, its worker at 0.2 s of CPU a run)."""
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    start = time.monotonic()
     generated = 0
-    for _ in range(REQUESTS_PER_STREAM):
-        outs = engine.generate(prompts, params)
-        generated += sum(len(o[0].token_ids) for o in outs)
+
+    def run() -> None:
+        nonlocal generated
+        for _ in range(REQUESTS_PER_STREAM):
+            outs = engine.generate(prompts, params)
+            generated += sum(len(o[0].token_ids) for o in outs)
+
+    thread = threading.Thread(target=run, name="engine")
+    start = time.monotonic()
+    thread.start()
+    thread.join()
     return generated / (time.monotonic() - start)
+
+
+def median_row(concurrency: int, apis: list[dict], offlines: list[float]) -> dict:
+    """One table row from alternating rounds: the median of each figure, and the range of
+    the rounds' API / offline ratios (how far to trust the median's)."""
+    ratios = [a["tps"] / o for a, o in zip(apis, offlines, strict=True)]
+    row = {k: statistics.median(a[k] for a in apis) for k in apis[0]}
+    offline = statistics.median(offlines)
+    return row | dict(
+        concurrency=concurrency, offline=offline, ratio=row["tps"] / offline, ratios=ratios
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/tierserve-bench-moe-43m"))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--rounds", type=int, default=3, help="API and offline runs of each")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtype", choices=list(DTYPES), default="float32")
     ap.add_argument("--threads", type=int, default=2)
@@ -170,27 +199,31 @@ def main() -> None:
         run_offline(engine, [p[:PROMPT_TOKENS] for p in warm], 8)
         for c in args.concurrency:
             prompts = [p[:PROMPT_TOKENS] for p in make_prompts(c, vocab, seed=c)]
-            api = asyncio.run(run_api(args.port, prompts, args.new_tokens))
-            offline = run_offline(engine, prompts, args.new_tokens)
-            rows.append(api | dict(concurrency=c, offline=offline))
+            apis, offlines = [], []
+            for _ in range(args.rounds):
+                apis.append(asyncio.run(run_api(args.port, prompts, args.new_tokens)))
+                offlines.append(run_offline(engine, prompts, args.new_tokens))
+            rows.append(median_row(c, apis, offlines))
     finally:
         server.terminate()
         server.wait()
     print(
         f"\n{path.name}, {args.dtype}, {args.threads} threads: streamed greedy /v1/completions, "
         f"{PROMPT_TOKENS}-token prompts, {args.new_tokens} new tokens, {REQUESTS_PER_STREAM} "
-        f"requests per stream; {'eager' if eager else 'compiled'}; server startup to /health "
+        f"requests per stream; {args.rounds} rounds of each, medians; "
+        f"{'eager' if eager else 'compiled'}; server startup to /health "
         f"200: {startup:.1f} s" + ("" if eager else f", to compiled decode steps: {compiled:.1f} s")
     )
     print(
-        "| streams | API tok/s | offline tok/s | API / offline | TTFT ms | ITL p50 ms "
+        "| streams | API tok/s | offline tok/s | API / offline (rounds) | TTFT ms | ITL p50 ms "
         "| ITL p99 ms | p99 / p50 |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        spread = f"{min(r['ratios']):.2f}-{max(r['ratios']):.2f}"
         print(
-            f"| {r['concurrency']} | {r['tps']:.0f} | {r['offline']:.0f} "
-            f"| {r['tps'] / r['offline']:.2f} | {r['ttft'] * 1e3:.0f} | {r['itl_p50'] * 1e3:.1f} "
+            f"| {r['concurrency']} | {r['tps']:.0f} | {r['offline']:.0f} | {r['ratio']:.2f} "
+            f"({spread}) | {r['ttft'] * 1e3:.0f} | {r['itl_p50'] * 1e3:.1f} "
             f"| {r['itl_p99'] * 1e3:.1f} | {r['itl_p99'] / r['itl_p50']:.1f} |"
         )
 
