@@ -44,15 +44,19 @@ def run_train_router(args: argparse.Namespace) -> None:
     from router.outcomes import load_outcomes
 
     outcomes = load_outcomes(args.full, args.highspeed)
-    failed = [not o.highspeed_passed for o in outcomes]
-    policy = train([o.request for o in outcomes], failed, args.target_full_share)
+    # The label is the gain of calling the full tier (it passes where highspeed fails), as
+    # RouteLLM labels "the strong model wins": with "highspeed fails" alone, the tasks both
+    # tiers fail rank first and waste full-tier calls.
+    needed = [o.full_passed and not o.highspeed_passed for o in outcomes]
+    policy = train([o.request for o in outcomes], needed, args.target_full_share)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     policy.save(args.out)
     scores = [policy.score(o.request) for o in outcomes]
-    accuracy = sum((s >= 0.5) == f for s, f in zip(scores, failed, strict=True)) / len(failed)
+    accuracy = sum((s >= 0.5) == f for s, f in zip(scores, needed, strict=True)) / len(needed)
     share = sum(s >= policy.threshold for s in scores) / len(scores)
     print(
-        f"{args.out}: {len(outcomes)} paired tasks, highspeed failed {sum(failed)}; "
+        f"{args.out}: {len(outcomes)} paired tasks, the full tier needed (it passes, highspeed "
+        f"fails) on {sum(needed)}; "
         f"training accuracy {100 * accuracy:.1f}%; threshold {policy.threshold:.4f} sends "
         f"{100 * share:.1f}% to full (target {100 * args.target_full_share:.0f}%)"
     )

@@ -92,7 +92,7 @@ class LearnedPolicy:
 
 def train(
     requests: Sequence[RouteRequest],
-    highspeed_failed: Sequence[bool],
+    full_needed: Sequence[bool],
     target_full_share: float,
     l2: float = 1e-3,
     steps: int = 400,
@@ -101,9 +101,9 @@ def train(
     """Fit by full-batch Adam on the L2-regularised log loss, then calibrate the threshold so
     `target_full_share` of the training prompts go to the full tier."""
     n = len(requests)
-    if n == 0 or len(highspeed_failed) != n:
+    if n == 0 or len(full_needed) != n:
         raise ValueError("train needs one label per request, and at least one request")
-    y = np.asarray(highspeed_failed, dtype=np.float64)
+    y = np.asarray(full_needed, dtype=np.float64)
     dense_x = np.stack([dense_features(r) for r in requests])
     bucket_lists = [ngram_buckets(r) for r in requests]
     rows = np.repeat(np.arange(n), [len(b) for b in bucket_lists])
