@@ -11,7 +11,7 @@ Inputs live in preallocated buffers: token ids, positions, slots, context length
 tables padded to the longest a sequence can have, and the attention mask. Padding rows
 write their keys and values to a scratch block that no sequence owns, so they never
 touch real cache entries. Attention and the experts stay eager code behind `torch.library`
-ops (`attention.paged_decode`, `moe.moe_experts`) that the graphs call.
+ops (`tierserve::paged_decode`, `tierserve::moe_experts`) that the graphs call.
 
 Graphs are compiled when the engine starts, in a background thread, smallest size first;
 until a size is ready its batches run eagerly. Compiling first would hold the server's

@@ -89,25 +89,13 @@ def grouped_experts(
     return torch.zeros_like(x).index_add_(0, token_of, out * slot_weights)
 
 
+# `grouped_experts` as an op that a compiled decode step calls as opaque eager code: its
+# cheapest form depends on which experts the tokens picked, which a graph cannot know.
 torch.library.define(
     "tierserve::moe_experts",
     "(Tensor x, Tensor weights, Tensor experts, Tensor gate_up, Tensor down) -> Tensor",
 )
-
-
-def moe_experts(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    experts: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-) -> torch.Tensor:
-    """`grouped_experts` as an op that a compiled decode step calls as opaque eager code: its
-    cheapest form depends on which experts the tokens picked, which a graph cannot know."""
-    return grouped_experts(x, weights, experts, gate_up, down)
-
-
-torch.library.impl("tierserve::moe_experts", "CompositeExplicitAutograd", func=moe_experts)
+torch.library.impl("tierserve::moe_experts", "CompositeExplicitAutograd", func=grouped_experts)
 
 
 @torch.library.register_fake("tierserve::moe_experts")
