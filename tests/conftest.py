@@ -1,11 +1,19 @@
 """Shared pytest fixtures."""
 
+import os
 import random
 from pathlib import Path
 
 import pytest
 import tokenizers
+import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+# Without a GPU the Triton kernels run under Triton's interpreter. Triton reads this when a
+# kernel module is imported, so it is set here, before any test module imports one (it was
+# set by each kernel test module, which broke when another module imported Triton first).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

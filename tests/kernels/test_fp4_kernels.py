@@ -4,13 +4,8 @@ Without a GPU they run under Triton's CPU interpreter (TRITON_INTERPRET=1, set h
 triton is imported), with fp32 activations; on a CUDA machine they run on the device.
 """
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton")
 

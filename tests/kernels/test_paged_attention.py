@@ -3,14 +3,9 @@
 context lengths of one token, at and across block boundaries, and odd, with block tables in
 random order whose padding holds blocks of other sequences."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton")
 

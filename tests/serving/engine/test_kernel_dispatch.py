@@ -7,14 +7,10 @@ padded rows are checked without a GPU.
 """
 
 import contextlib
-import os
 from pathlib import Path
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton")
 
