@@ -71,9 +71,12 @@ def kl_k3_sum(
 
 @dataclass
 class DomainWeights:
-    """Sampling weights over domains that follow learning progress: each domain's success is
-    tracked by a fast and a slow moving average, and a domain weighs by how far they differ
-    (it is improving or forgetting), plus a floor so none is starved. `fixed=True` keeps the
+    """Sampling weights over domains that follow learning progress. Each domain's success is
+    tracked by a fast and a slow moving average; a domain weighs by its progress (how far
+    the two differ: it is improving or forgetting) plus its learnability p(1 - p) at the
+    fast average p, the share of informative GRPO groups it can give (a solved or a hopeless
+    domain gives none, whatever the noise in its rate). A domain not yet measured weighs as
+    the best one, so each is tried; a floor keeps any from starving. `fixed=True` keeps the
     initial mix: the baseline to compare against."""
 
     mix: dict[str, float]
@@ -95,8 +98,12 @@ class DomainWeights:
         if self.fixed or not self.fast:
             total = sum(self.mix.values())
             return {d: w / total for d, w in self.mix.items()}
-        progress = {d: abs(self.fast.get(d, 0.0) - self.slow.get(d, 0.0)) for d in self.mix}
-        top = max(progress.values()) or 1.0
-        raw = {d: self.floor + (1 - self.floor) * p / top for d, p in progress.items()}
+        score = {
+            d: abs(self.fast[d] - self.slow[d]) + self.fast[d] * (1 - self.fast[d])
+            for d in self.mix
+            if d in self.fast
+        }
+        top = max(score.values()) or 1.0
+        raw = {d: self.floor + (1 - self.floor) * score.get(d, top) / top for d in self.mix}
         total = sum(raw.values())
         return {d: w / total for d, w in raw.items()}

@@ -76,3 +76,15 @@ def test_domain_weights_follow_learning_progress_and_fixed_keeps_the_mix() -> No
     assert w["math"] > w["code"] and w["code"] == pytest.approx(w["tools"])
     assert min(w.values()) > 0 and sum(w.values()) == pytest.approx(1.0)
     assert fixed.weights() == pytest.approx({"math": 0.25, "code": 0.25, "tools": 0.5})
+
+
+def test_domain_weights_favour_learnable_domains_and_try_unmeasured_ones() -> None:
+    weights = DomainWeights({"math": 1.0, "code": 1.0, "terminal": 1.0, "tools": 1.0})
+    for rate in (1.0, 0.875, 1.0, 0.875, 1.0):  # solved: its noise is no progress
+        weights.update("terminal", rate)
+    for _ in range(5):
+        weights.update("code", 0.5)  # half its groups are informative
+        weights.update("math", 0.0)  # hopeless for now
+    w = weights.weights()
+    assert w["code"] > 2 * w["terminal"] and w["terminal"] > w["math"] > 0
+    assert w["tools"] == pytest.approx(w["code"])  # not measured yet: weighs as the best
