@@ -62,7 +62,10 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+        # Only well-formed text parts count: the tier, not the router, rejects the rest.
+        return " ".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
     return ""
 
 

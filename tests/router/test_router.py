@@ -208,3 +208,18 @@ def test_cascade_checks_tool_arguments_against_their_schema():
     )
     assert validate_answer(body, call("get_weather", "{city")) == "invalid_tool_arguments"
     assert validate_answer(body, call("get_time", "{}")) == "unknown_tool"
+
+
+def test_route_request_reads_only_well_formed_text_parts() -> None:
+    # Found by the gateway fuzzer: a part whose text is null made routing raise (a 500);
+    # routing must pass such a request on, for the tier to reject it with a 400.
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"text": None}, {"type": "text", "text": "What is 2 + 2?"}],
+            },
+            {"role": "user", "content": [{"text": 1.5}, "bare string", None]},
+        ]
+    }
+    assert route_request(body).text == "What is 2 + 2?\n"
