@@ -76,9 +76,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    engine = LLMEngine.from_checkpoint(
-        args.model, EngineConfig(max_num_seqs=128, dtype="float32")
-    )  # the rollouts run an fp32 copy of the training weights
+    # fp32, as the rollouts' copy of the training weights and transformers here
+    engine = LLMEngine.from_checkpoint(args.model, EngineConfig(max_num_seqs=128, dtype="float32"))
     batch = prompts(engine, args.prompts)
     pad = engine.model.config.pad_token_id or 0
     tokens = args.prompts * args.group * args.max_tokens

@@ -42,10 +42,10 @@ def main() -> None:
     records: dict[str, list[Record]] = {tier: [] for tier in TIERS}
     for round_ in range(args.rounds):
         for tier in TIERS if round_ % 2 == 0 else TIERS[::-1]:
-            records[tier] += asyncio.run(
-                run(list(DOMAINS), [1, 2, 3], args.n, args.seed, 1, url=args.url,
-                    served_model=tier)
-            )  # fmt: skip
+            episodes = run(
+                list(DOMAINS), [1, 2, 3], args.n, args.seed, 1, url=args.url, served_model=tier
+            )
+            records[tier] += asyncio.run(episodes)
     f = {tier: figures(records[tier]) for tier in TIERS}
     print(f"{len(records['full'])} episodes per tier ({args.rounds} rounds), greedy, one stream")
     print("| tier | latency s | output tokens | tok/s per stream | completion % | difficulty 1 % |")

@@ -74,10 +74,10 @@ class DomainWeights:
     """Sampling weights over domains that follow learning progress. Each domain's success is
     tracked by a fast and a slow moving average; a domain weighs by its progress (how far
     the two differ: it is improving or forgetting) plus its learnability p(1 - p) at the
-    fast average p, the share of informative GRPO groups it can give (a solved or a hopeless
-    domain gives none, whatever the noise in its rate). A domain not yet measured weighs as
-    the best one, so each is tried; a floor keeps any from starving. `fixed=True` keeps the
-    initial mix: the baseline to compare against."""
+    fast average p, which is highest where GRPO groups mix passes and fails (a solved or a
+    hopeless domain gives no informative group, whatever the noise in its rate). A domain
+    not yet measured weighs as the best one, so each is tried; a floor keeps any from
+    starving. `fixed=True` keeps the initial mix: the baseline to compare against."""
 
     mix: dict[str, float]
     fixed: bool = False
