@@ -12,7 +12,10 @@ every multiplication has on one side, which keeps products and their traces boun
 
     1: 1-2 operations, operands of 1-2 digits, factor of 1 digit
     2: 2-3 operations, operands of 1-4 digits, factor of up to 2 digits
-    3: 3-4 operations, operands of 1-6 digits, factor of up to 3 digits
+    3: 3-4 operations, operands of 1-4 digits, factor of up to 2 digits
+
+An expression whose working takes more than `TRACE_LINES` lines is drawn again: at about 16
+tokens a line, the whole reference then fits the eval's 512-token answer budget.
 """
 
 import random
@@ -31,7 +34,8 @@ from training.tasks.base import (
 )
 
 # difficulty -> (min operations, max operations, max operand digits, max factor digits)
-LEVELS = {1: (1, 2, 2, 1), 2: (2, 3, 4, 2), 3: (3, 4, 6, 3)}
+LEVELS = {1: (1, 2, 2, 1), 2: (2, 3, 4, 2), 3: (3, 4, 4, 2)}
+TRACE_LINES = 28
 PROMPTS = (
     "Compute {expr}. Answer with the integer only.",
     "What is {expr}? Reply with just the integer.",
@@ -61,7 +65,7 @@ def render(tree: Tree) -> str:
     """Infix text with only the parentheses needed to read back the same tree: operators are
     left-associative, so a right operand of equal precedence keeps its parentheses."""
     if isinstance(tree, int):
-        return str(tree)
+        return _show(tree)
     op, left, right = tree
     a, b = render(left), render(right)
     if isinstance(left, list) and PRECEDENCE[left[0]] < PRECEDENCE[op]:
@@ -186,37 +190,59 @@ def _show(n: int) -> str:
 
 
 def _step(op: str, a: int, b: int) -> list[str]:
-    """The trace lines of one operation: the working for long operands, then the result."""
+    """The trace lines of one operation: the working, then the result. Single digits get a
+    column line too, so every fact is written the way the long operations write theirs."""
     result = evaluate([op, a, b])
     head = f"{_show(a)} {op} {_show(b)}"
-    sign = "-" if result < 0 else ""
     x, y = abs(a), abs(b)
-    lines = []
     if op == "*":
+        magnitudes = f"{x} * {y}"
         if max(x, y) >= 10 and min(x, y) >= 2:
-            if a < 0 or b < 0:
-                lines.append(f"  {head} = {sign}({x} * {y})")
-            lines += _multiply(x, y)
-    elif max(x, y) >= 10 and min(x, y) >= 1:
-        if (op == "+") == ((a < 0) == (b < 0)):  # the magnitudes add up
-            magnitudes, work = f"{x} + {y}", _column_add(x, y)
+            work = _multiply(x, y)
         else:
-            magnitudes, work = f"{max(x, y)} - {min(x, y)}", _column_sub(max(x, y), min(x, y))
-        if head != magnitudes:
-            lines.append(f"  {head} = " + (f"-({magnitudes})" if result < 0 else magnitudes))
-        lines += [f"  {magnitudes} in columns:", *work]
-    return [*lines, f"{head} = {result}"]
+            work = [f"  ones: {x}*{y}={x * y}"] if max(x, y) < 10 else []
+    else:
+        adds = (op == "+") == ((a < 0) == (b < 0))  # the magnitudes add up
+        big, small = (x, y) if adds else (max(x, y), min(x, y))
+        magnitudes = f"{big} {'+' if adds else '-'} {small}"
+        if max(x, y) >= 10 and min(x, y) >= 1:
+            columns = _column_add(big, small) if adds else _column_sub(big, small)
+            work = [f"  {magnitudes} in columns:", *columns]
+        else:
+            work = [f"  ones: {magnitudes.replace(' ', '')}={abs(result)}"] if big < 10 else []
+    if work and head != magnitudes:
+        work.insert(0, f"  {head} = " + (f"-({magnitudes})" if result < 0 else magnitudes))
+    return [*work, f"{head} = {result}"]
 
 
-def _trace(tree: Tree, lines: list[str]) -> int:
-    """Evaluate innermost first (left operand, right operand, then the operation), appending
-    each operation's lines."""
+def _next_operation(tree: list[Any]) -> list[Any]:
+    """The operation that innermost-first order evaluates next: the leftmost whose operands
+    are both numbers."""
+    for child in tree[1:]:
+        if isinstance(child, list):
+            return _next_operation(child)
+    return tree
+
+
+def _reduce(tree: Tree, done: list[Any], value: int) -> Tree:
+    if tree is done:
+        return value
     if isinstance(tree, int):
         return tree
-    op, left, right = tree
-    a, b = _trace(left, lines), _trace(right, lines)
-    lines += _step(op, a, b)
-    return evaluate([op, a, b])
+    return [tree[0], _reduce(tree[1], done, value), _reduce(tree[2], done, value)]
+
+
+def _trace(tree: Tree) -> list[str]:
+    """One operation at a time, each followed by what is left of the expression, so the
+    next operation and the moment to stop are read off the line above, not counted."""
+    lines = []
+    while isinstance(tree, list):
+        op, a, b = operation = _next_operation(tree)
+        value = evaluate(operation)
+        lines += _step(op, a, b)
+        tree = _reduce(tree, operation, value)
+        lines.append(f"Left: {tree if isinstance(tree, int) else render(tree)}")
+    return lines
 
 
 def final_integer(text: str) -> int | None:
@@ -273,7 +299,7 @@ class MathDomain(Domain):
         while True:
             tree = _build(rng, rng.randint(min_ops, max_ops), max_digits, factor_digits)
             # An answer that is also an operand would reward echoing the question.
-            if evaluate(tree) not in operands(tree):
+            if evaluate(tree) not in operands(tree) and len(_trace(tree)) <= TRACE_LINES:
                 break
         expression = render(tree)
         prompt = rng.choice(PROMPTS).format(expr=expression)
@@ -285,7 +311,7 @@ class MathDomain(Domain):
         if style == "short":
             return [str(answer)]
         lines = ["Work innermost first, one operation at a time."]
-        _trace(task.data["tree"], lines)
+        lines += _trace(task.data["tree"])
         lines.append(f"So {task.data['expression']} = {answer}.")
         body = "\n".join(lines)
         return [reasoning_block(body) + str(answer)]

@@ -7,7 +7,15 @@ import pytest
 from serving.model.chat_format import split_reasoning
 from serving.model.tokenizer import Tokenizer
 from training.tasks.base import play
-from training.tasks.math import LEVELS, MathDomain, count_ops, evaluate, operands, render
+from training.tasks.math import (
+    LEVELS,
+    TRACE_LINES,
+    MathDomain,
+    count_ops,
+    evaluate,
+    operands,
+    render,
+)
 
 DOMAIN = MathDomain()
 SEEDS = range(150)
@@ -169,3 +177,28 @@ def test_reference_conversations_render_through_the_chat_template(random_checkpo
             assert task.prompt in text and text.endswith(f"{task.data['answer']}<|im_end|>\n")
             assert ("<think>\nWork innermost first" in text) == (style == "think")
             assert tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_trace_says_what_is_left_and_fits_the_answer_budget(difficulty: int) -> None:
+    """After every operation the trace rewrites what is left, ending on the bare answer, so
+    the model reads when to stop; the working stays within the line budget."""
+    for seed in SEEDS:
+        task = DOMAIN.generate(seed, difficulty)
+        reasoning, _ = split_reasoning(DOMAIN.reference(task, "think")[0])
+        left = [
+            line.removeprefix("Left: ")
+            for line in reasoning.splitlines()
+            if line.startswith("Left: ")
+        ]
+        assert len(left) == count_ops(task.data["tree"])
+        assert left[-1] == str(task.data["answer"])
+        assert all(eval(e) == task.data["answer"] for e in left)
+        assert len(reasoning.splitlines()) <= TRACE_LINES + 2
+
+
+def test_single_digit_facts_are_written_as_columns() -> None:
+    task = type(DOMAIN.generate(0, 1))("math", 0, 1, "What is 7 + 4?", {})
+    task.data.update(expression="7 + 4", tree=["+", 7, 4], answer=11)
+    reasoning, _ = split_reasoning(DOMAIN.reference(task, "think")[0])
+    assert "  ones: 7+4=11\n7 + 4 = 11\nLeft: 11" in reasoning
