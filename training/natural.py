@@ -43,6 +43,21 @@ MATH = (
     "What do you get for {e}?",
 )
 TIMES = (" * ", " x ", " × ", " times ")
+WORDS = {"+": (" plus ",), "-": (" minus ",), "*": (" times ", " multiplied by ")}
+# One operation said in words, {a} and {b} the operands in order.
+IN_WORDS = {
+    "+": ("add {a} and {b}", "the sum of {a} and {b}", "{a} plus {b}"),
+    "-": ("subtract {b} from {a}", "{a} minus {b}", "take {b} away from {a}", "{a} less {b}"),
+    "*": (
+        "multiply {a} by {b}",
+        "the product of {a} and {b}",
+        "{a} times {b}",
+        "{a} multiplied by {b}",
+    ),
+}
+# Phrases that start with a verb ("add 2 and 3") are requests; the others are asked about.
+VERB_PROMPTS = ("{E}.", "Can you {e}?", "{E}, please.", "Please {e}.", "{e}")
+NOUN_PROMPTS = ("What is {e}?", "what's {e}", "How much is {e}?", "{E}?")
 CODE_HEADS = (
     "Write a Python function solve({p}) that returns {r}.",
     "Write a python function solve({p}) which returns {r}.",
@@ -82,8 +97,19 @@ CAPABILITIES = (
 
 
 def _math(task: Task, rng: random.Random) -> str:
-    expression = task.data["expression"]
-    if "*" in expression and rng.random() < 0.5:
+    """Symbols, other multiplication signs, or words: one operation in a sentence ("subtract
+    19 from 100"), longer expressions with their operators spelt out ("(12 plus 8) times 3")."""
+    expression, tree = task.data["expression"], task.data["tree"]
+    words = rng.random() < 0.35
+    if words and all(isinstance(t, int) for t in tree[1:]):
+        said = rng.choice(IN_WORDS[tree[0]]).format(a=tree[1], b=tree[2])
+        verb = said.split()[0] in ("add", "subtract", "multiply", "take")
+        prompt = rng.choice(VERB_PROMPTS if verb else NOUN_PROMPTS)
+        return prompt.format(e=said, E=said[0].upper() + said[1:])
+    if words:
+        for op, spelt in WORDS.items():
+            expression = expression.replace(f" {op} ", rng.choice(spelt))
+    elif "*" in expression and rng.random() < 0.5:
         expression = expression.replace(" * ", rng.choice(TIMES))
     return rng.choice(MATH).format(e=expression)
 

@@ -310,7 +310,9 @@ class MathDomain(Domain):
         answer = task.data["answer"]
         if style == "short":
             return [str(answer)]
-        lines = ["Work innermost first, one operation at a time."]
+        # The expression restated in symbols first: a request in words ("subtract 19 from
+        # 100") is then worked from the line above, like any other.
+        lines = [f"Work out {task.data['expression']} innermost first, one operation at a time."]
         lines += _trace(task.data["tree"])
         lines.append(f"So {task.data['expression']} = {answer}.")
         body = "\n".join(lines)
