@@ -251,6 +251,7 @@ def _chain_flight(rng: random.Random) -> dict[str, Any]:
         for t, price in zip(departures, rng.sample(range(150, 900), 3), strict=True)
     ]
     cheapest = min(flights, key=lambda f: f["price"])
+    prices = ", ".join(f"{f['flight_id']} {f['price']}" for f in flights)
     code = _code(rng, 6)
     search = {"origin": origin, "destination": destination, "date": iso, "passengers": n}
     booking = {"confirmation": code, "total_price": cheapest["price"] * n}
@@ -271,6 +272,7 @@ def _chain_flight(rng: random.Random) -> dict[str, Any]:
                 "book_flight",
                 {"flight_id": cheapest["flight_id"], "passengers": n},
                 booking,
+                f"Prices: {prices}. "
                 f"The cheapest is {cheapest['flight_id']} at {cheapest['price']}; I book it.",
             ),
         ],
@@ -288,6 +290,7 @@ def _chain_table(rng: random.Random) -> dict[str, Any]:
         for name, rating in zip(rng.sample(RESTAURANT_NAMES, 3), ratings, strict=True)
     ]
     best = max(places, key=lambda p: p["rating"])
+    ratings = ", ".join(f"{p['restaurant_id']} {p['rating']}" for p in places)
     reference = "BK-" + _code(rng, 6)
     table = {"restaurant_id": best["restaurant_id"], "party_size": party, "time": time}
     return {
@@ -306,6 +309,7 @@ def _chain_table(rng: random.Random) -> dict[str, Any]:
                 "book_table",
                 table,
                 {"booking_reference": reference},
+                f"Ratings: {ratings}. "
                 f"{best['name']} ({best['restaurant_id']}) has the top rating, {best['rating']}.",
             ),
         ],

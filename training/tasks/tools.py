@@ -22,6 +22,7 @@ import copy
 import json
 import math
 import random
+import re
 from typing import Any
 
 from serving.model.chat_format import (
@@ -43,7 +44,7 @@ from training.tasks.base import (
     Verdict,
 )
 from training.tasks.tool_bank import BANK
-from training.tasks.tool_tasks import CHAINS, SINGLES
+from training.tasks.tool_tasks import CHAINS, MONTHS, SINGLES
 
 
 def _show(value: Any) -> str:
@@ -167,12 +168,22 @@ def _call_block(call: dict[str, Any]) -> str:
     return tool_call_block(body)
 
 
-def _note(name: str, arguments: dict[str, Any]) -> str:
+def _value(key: str, value: Any, request: str) -> str:
+    """An argument as the note states it. A date the request gives in words is converted on
+    the line, month number first, so the model recalls one fact and then copies."""
+    text = json.dumps(value, ensure_ascii=False)
+    iso = re.fullmatch(r"(\d{4})-(\d\d)-(\d\d)", value) if isinstance(value, str) else None
+    if iso and value not in request:
+        year, month, day = (int(part) for part in iso.groups())
+        said = f"{MONTHS[month - 1]} {day}, {year}"
+        return f'{key} "{said}" = month {month}, day {day} = {text}'
+    return f"{key} {text}"
+
+
+def _note(name: str, arguments: dict[str, Any], request: str) -> str:
     """The brief reasoning of a single-call reference turn."""
     description = BANK[name]["function"]["description"].rstrip(".")
-    values = ", ".join(
-        f"{key} {json.dumps(value, ensure_ascii=False)}" for key, value in arguments.items()
-    )
+    values = ", ".join(_value(key, value, request) for key, value in arguments.items())
     return f"This needs {name} ({description[0].lower() + description[1:]}), with {values}."
 
 
@@ -186,7 +197,7 @@ class ToolsDomain(Domain):
         if difficulty < 3:
             name = rng.choice(sorted(SINGLES))
             request, arguments = SINGLES[name](rng, difficulty == 2)
-            calls = [tool_tasks.call(name, arguments, None, _note(name, arguments))]
+            calls = [tool_tasks.call(name, arguments, None, _note(name, arguments, request))]
             data: dict[str, Any] = {"calls": calls, "key": None, "answer": None}
             n_distractors = 1 if difficulty == 1 else rng.randint(2, 3)
         else:
