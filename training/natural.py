@@ -7,6 +7,7 @@ outside the four domains a short answer saying what the tier can do, instead of 
 The held-out evaluation keeps the generators' own prompts.
 """
 
+import copy
 import dataclasses
 import random
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from serving.model.chat_format import reasoning_block
 from training.tasks.base import Style, Task
 from training.tasks.code import DESCRIBE, OPS_BY_NAME, phrases, step_names
+from training.tasks.tools import call_note
 
 SYSTEM_PROMPTS = (
     "You are a helpful assistant.",
@@ -70,6 +72,23 @@ CODE_HEADS = (
 CODE_KINDS = ("", " {p} is {k}.", " ({p} is {k})")
 CODE_TAILS = ("", "", "\n\nAnswer with the complete function in a ```python block.", " Use Python.")
 TOOL_OPENERS = ("", "", "Hey, ", "Hi! ", "Can you help? ", "Quick one: ")
+# Parts for tool schemas the model has never seen: other verbs and suffixes for a tool's
+# name, other names for its parameters (the parameter descriptions keep the meaning).
+TOOL_VERBS = ("get", "fetch", "lookup", "query", "check", "find", "search")
+TOOL_SUFFIXES = ("", "", "_info", "_tool", "_now", "_v2", "_api")
+PARAMETER_NAMES = {
+    "city": ("location", "place", "city_name", "town"),
+    "date": ("day", "on_date", "when"),
+    "text": ("content", "input", "source_text"),
+    "query": ("q", "search", "keywords", "search_term"),
+    "name": ("full_name", "person", "contact_name"),
+    "amount": ("value", "sum", "quantity"),
+    "minutes": ("duration", "mins", "length_minutes"),
+    "symbol": ("ticker", "stock", "stock_symbol"),
+    "to": ("recipient", "address", "email_to"),
+    "title": ("name", "summary", "event_title"),
+    "temperature": ("degrees", "target_temperature", "temp"),
+}
 
 OUT_OF_DOMAIN = (
     "Tell me a joke.",
@@ -138,6 +157,53 @@ def _opener(prompt: str, openers: tuple[str, ...], rng: random.Random) -> str:
     return text.rstrip(".") if rng.random() < 0.3 else text
 
 
+def _tool_name(name: str, taken: set[str], rng: random.Random) -> str:
+    """Another name for the tool: its generic verb swapped or dropped, a suffix added."""
+    while True:
+        words = name.split("_")
+        if words[0] in TOOL_VERBS:
+            words[0] = rng.choice((*TOOL_VERBS, ""))
+        new = "_".join(filter(None, words)) + rng.choice(TOOL_SUFFIXES)
+        if new not in taken:
+            return new
+
+
+def _parameter_name(name: str, taken: set[str], rng: random.Random) -> str:
+    """Another name for half of the parameters: a synonym, or the name with a suffix."""
+    new = rng.choice((*PARAMETER_NAMES.get(name, ()), f"{name}_value"))
+    return name if rng.random() < 0.5 or new in taken else new
+
+
+def _unseen_tools(task: Task, rng: random.Random) -> Task:
+    """A one-call task with tool schemas renamed: some tools and parameters get names the
+    bank never uses, and the reference call and its note follow them, so the model learns to
+    read names off the schema it is given rather than recall the bank's."""
+    tools, renamed = copy.deepcopy(task.tools), {}
+    taken = {tool["function"]["name"] for tool in tools}
+    for tool in tools:
+        function = tool["function"]
+        if rng.random() < 0.5:
+            continue
+        old, function["name"] = function["name"], _tool_name(function["name"], taken, rng)
+        taken.add(function["name"])
+        parameters = function["parameters"]
+        names = {}
+        for key in parameters["properties"]:
+            names[key] = _parameter_name(key, set(parameters["properties"]), rng)
+        parameters["properties"] = {names[k]: v for k, v in parameters["properties"].items()}
+        parameters["required"] = [names[k] for k in parameters["required"]]
+        renamed[old] = (function["name"], names)
+    [call] = task.data["calls"]
+    if call["name"] not in renamed:
+        return dataclasses.replace(task, tools=tools)
+    name, names = renamed[call["name"]]
+    arguments = {names[k]: v for k, v in call["arguments"].items()}
+    tool = next(t for t in tools if t["function"]["name"] == name)
+    note = call_note(tool, arguments, task.prompt)
+    calls = [{**call, "name": name, "arguments": arguments, "note": note}]
+    return dataclasses.replace(task, tools=tools, data={**task.data, "calls": calls})
+
+
 def naturalize(task: Task, rng: random.Random) -> tuple[Task, str | None]:
     """The task with a reworded prompt, and a system prompt (or None)."""
     if task.domain == "math":
@@ -146,6 +212,8 @@ def naturalize(task: Task, rng: random.Random) -> tuple[Task, str | None]:
         prompt = _code(task, rng)
     elif task.domain == "tools":
         prompt = _opener(task.prompt, TOOL_OPENERS, rng)
+        if len(task.data["calls"]) == 1 and rng.random() < 0.5:
+            task = _unseen_tools(task, rng)
     else:  # terminal: the prompt describes the sandbox the commands run in; keep it
         prompt = task.prompt
     system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.4 else None

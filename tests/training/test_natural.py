@@ -4,7 +4,10 @@ import random
 import re
 
 from training.natural import naturalize
+from training.tasks import get_domain
+from training.tasks.base import play
 from training.tasks.math import MathDomain, operands
+from training.tasks.tool_bank import BANK
 
 
 def test_math_rewordings_keep_the_operands_and_use_words() -> None:
@@ -16,3 +19,16 @@ def test_math_rewordings_keep_the_operands_and_use_words() -> None:
         assert numbers == sorted(operands(task.data["tree"])), prompt
         worded += bool(re.search(r"plus|minus|times|multiplied|sum|subtract|product|less", prompt))
     assert 60 < worded < 200
+
+
+def test_tool_rewordings_rename_schemas_and_the_reference_follows() -> None:
+    """Some reworded tool tasks offer schemas the bank never uses; the reference call, played
+    through the real episode, still verifies against them."""
+    domain, rng, unseen = get_domain("tools"), random.Random(0), 0
+    for seed in range(200):
+        task, _ = naturalize(domain.generate(seed, 1 + seed % 2), rng)
+        names = {tool["function"]["name"] for tool in task.tools}
+        unseen += bool(names - set(BANK))
+        _, verdict = play(domain, task, domain.reference(task, "think"))
+        assert verdict.reward == 1.0, (verdict.reason, task.data["calls"])
+    assert 40 < unseen < 160

@@ -180,9 +180,10 @@ def _value(key: str, value: Any, request: str) -> str:
     return f"{key} {text}"
 
 
-def _note(name: str, arguments: dict[str, Any], request: str) -> str:
-    """The brief reasoning of a single-call reference turn."""
-    description = BANK[name]["function"]["description"].rstrip(".")
+def call_note(tool: dict, arguments: dict[str, Any], request: str) -> str:
+    """The brief reasoning of a single-call reference turn: the tool, what it does in its
+    schema's words, and each argument."""
+    name, description = tool["function"]["name"], tool["function"]["description"].rstrip(".")
     values = ", ".join(_value(key, value, request) for key, value in arguments.items())
     return f"This needs {name} ({description[0].lower() + description[1:]}), with {values}."
 
@@ -197,7 +198,8 @@ class ToolsDomain(Domain):
         if difficulty < 3:
             name = rng.choice(sorted(SINGLES))
             request, arguments = SINGLES[name](rng, difficulty == 2)
-            calls = [tool_tasks.call(name, arguments, None, _note(name, arguments, request))]
+            note = call_note(BANK[name], arguments, request)
+            calls = [tool_tasks.call(name, arguments, None, note)]
             data: dict[str, Any] = {"calls": calls, "key": None, "answer": None}
             n_distractors = 1 if difficulty == 1 else rng.randint(2, 3)
         else:
