@@ -10,6 +10,7 @@ The held-out evaluation keeps the generators' own prompts.
 import copy
 import dataclasses
 import random
+import re
 from typing import Any
 
 from serving.model.chat_format import reasoning_block
@@ -72,6 +73,90 @@ CODE_HEADS = (
 CODE_KINDS = ("", " {p} is {k}.", " ({p} is {k})")
 CODE_TAILS = ("", "", "\n\nAnswer with the complete function in a ```python block.", " Use Python.")
 TOOL_OPENERS = ("", "", "Hey, ", "Hi! ", "Can you help? ", "Quick one: ")
+# Other ways to ask for a one-call task, by tool: used when the call's arguments are exactly
+# the template's fields ({Field} is the value capitalised).
+TOOL_REQUESTS = {
+    "get_weather": (
+        "weather in {city}?",
+        "How's the weather in {city}",
+        "Is it raining in {city}?",
+        "what's it like outside in {city} today",
+        "Tell me the weather for {city}.",
+        "{city} weather please",
+        "Do I need an umbrella in {city}?",
+    ),
+    "get_local_time": (
+        "what's the time in {city}",
+        "Current time in {city}?",
+        "What time is it right now in {city}?",
+        "time in {city} please",
+        "Do you know what time it is in {city}?",
+    ),
+    "convert_currency": (
+        "{amount} {from_currency} in {to_currency}?",
+        "How much is {amount} {from_currency} in {to_currency}?",
+        "change {amount} {from_currency} into {to_currency}",
+        "What's {amount} {from_currency} worth in {to_currency}?",
+    ),
+    "send_email": (
+        'Email {to} with the subject "{subject}"',
+        'Write to {to}, subject: "{subject}"',
+        'Please send {to} an email titled "{subject}".',
+    ),
+    "create_event": (
+        'Add "{title}" to my calendar on {date}.',
+        'Schedule "{title}" for {date}',
+        'new calendar entry "{title}", {date}',
+    ),
+    "search_flights": (
+        "Any flights from {origin} to {destination} on {date}?",
+        "I need to fly from {origin} to {destination} on {date}",
+        "Show me flights {origin} to {destination}, {date}",
+    ),
+    "get_stock_price": (
+        "{symbol} price?",
+        "How much is {symbol} trading at?",
+        "What's {symbol} at right now?",
+        "Check the stock price of {symbol}",
+        "quote for {symbol} please",
+    ),
+    "set_timer": (
+        "timer {minutes} minutes",
+        "Start a {minutes} minute timer",
+        "Can you set a {minutes}-minute timer?",
+        "Remind me in {minutes} minutes",
+        "countdown of {minutes} minutes please",
+    ),
+    "translate_text": (
+        'How do you say "{text}" in {Target_language}?',
+        'Translate this into {target_language}: "{text}"',
+        '"{text}" in {Target_language}, please',
+        'Can you put "{text}" into {Target_language}?',
+    ),
+    "set_thermostat": (
+        "Make it {temperature} degrees in here",
+        "Turn the heating to {temperature} degrees",
+        "thermostat to {temperature} please",
+        "I want it at {temperature} degrees",
+    ),
+    "search_products": (
+        "Do you sell {query}?",
+        "Look for {query} in the shop",
+        "find me {query}",
+        "I'm looking for {query}",
+    ),
+    "find_restaurants": (
+        "Where can I get {cuisine} food in {city}?",
+        "Any good {cuisine} places in {city}?",
+        "{Cuisine} restaurants in {city}?",
+        "I'm in {city} and want {cuisine} food",
+    ),
+    "lookup_user": (
+        "Find the account for {email}",
+        "pull up the customer {email}",
+        "Which customer has the email {email}?",
+    ),
+}
 # Parts for tool schemas the model has never seen: other verbs and suffixes for a tool's
 # name, other names for its parameters (the parameter descriptions keep the meaning).
 TOOL_VERBS = ("get", "fetch", "lookup", "query", "check", "find", "search")
@@ -174,6 +259,19 @@ def _parameter_name(name: str, taken: set[str], rng: random.Random) -> str:
     return name if rng.random() < 0.5 or new in taken else new
 
 
+def _tool_request(task: Task, rng: random.Random) -> str:
+    """The request reworded from its call, when a template asks for exactly its arguments."""
+    [call] = task.data["calls"]
+    fields = {**call["arguments"]}
+    fields |= {k.capitalize(): str(v).capitalize() for k, v in call["arguments"].items()}
+    templates = [
+        t
+        for t in TOOL_REQUESTS.get(call["name"], ())
+        if {f.lower() for f in re.findall(r"{(\w+)}", t)} == set(call["arguments"])
+    ]
+    return rng.choice(templates).format(**fields) if templates else task.prompt
+
+
 def _unseen_tools(task: Task, rng: random.Random) -> Task:
     """A one-call task with tool schemas renamed: some tools and parameters get names the
     bank never uses, and the reference call and its note follow them, so the model learns to
@@ -211,9 +309,11 @@ def naturalize(task: Task, rng: random.Random) -> tuple[Task, str | None]:
     elif task.domain == "code":
         prompt = _code(task, rng)
     elif task.domain == "tools":
-        prompt = _opener(task.prompt, TOOL_OPENERS, rng)
-        if len(task.data["calls"]) == 1 and rng.random() < 0.5:
-            task = _unseen_tools(task, rng)
+        prompt = task.prompt
+        if len(task.data["calls"]) == 1:
+            prompt = _tool_request(task, rng) if rng.random() < 0.5 else prompt
+            task = _unseen_tools(task, rng) if rng.random() < 0.5 else task
+        prompt = _opener(prompt, TOOL_OPENERS, rng)
     else:  # terminal: the prompt describes the sandbox the commands run in; keep it
         prompt = task.prompt
     system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.4 else None

@@ -22,8 +22,8 @@ def test_math_rewordings_keep_the_operands_and_use_words() -> None:
 
 
 def test_tool_rewordings_rename_schemas_and_the_reference_follows() -> None:
-    """Some reworded tool tasks offer schemas the bank never uses; the reference call, played
-    through the real episode, still verifies against them."""
+    """Reworded tool requests keep their values, and some offer schemas the bank never uses;
+    the reference call, played through the real episode, still verifies against them."""
     domain, rng, unseen = get_domain("tools"), random.Random(0), 0
     for seed in range(200):
         task, _ = naturalize(domain.generate(seed, 1 + seed % 2), rng)
@@ -31,4 +31,7 @@ def test_tool_rewordings_rename_schemas_and_the_reference_follows() -> None:
         unseen += bool(names - set(BANK))
         _, verdict = play(domain, task, domain.reference(task, "think"))
         assert verdict.reward == 1.0, (verdict.reason, task.data["calls"])
+        if task.difficulty == 1:  # every value is said as it is passed, however reworded
+            for value in task.data["calls"][0]["arguments"].values():
+                assert str(value).lower() in task.prompt.lower(), (value, task.prompt)
     assert 40 < unseen < 160
