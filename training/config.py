@@ -145,7 +145,11 @@ class StageConfig(BaseModel):
     tokenizer: str | None = None  # a directory holding tokenizer.json (pretrain, draft)
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
-    kd_temperature: float = Field(1.0, gt=0)  # draft: softmax temperature of distillation
+    kd_temperature: float = Field(1.0, gt=0)  # draft, sft: softmax temperature of distillation
+    # sft in the short style: the think-style checkpoint whose answer-token distributions,
+    # given its reasoning, the student learns (logit KL), weighted by kd_weight
+    teacher: str | None = None
+    kd_weight: float = Field(1.0, ge=0)
     dpo: DPOConfig = DPOConfig()
     rl: RLConfig = RLConfig()
     curriculum: CurriculumConfig = CurriculumConfig()  # sft only

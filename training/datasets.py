@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from serving.model.chat_format import split_reasoning
 from serving.model.tokenizer import Tokenizer
 from training.config import DataConfig
 from training.copy_text import copy_document
@@ -44,6 +45,9 @@ class Batch:
     # domain, for the curriculum's copy-position and per-domain losses.
     copy_mask: torch.Tensor | None = None
     domains: list[str] | None = None
+    # SFT with a teacher: the teacher's rows (its reasoning before the same answer), labelled
+    # only on the answer, so its labelled positions line up with this batch's one to one.
+    teacher: "Batch | None" = None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -116,18 +120,31 @@ def copy_positions(
 
 
 def build_sft(
-    data: DataConfig, style: Style, tokenizer: Tokenizer, out: Path, seq_len: int
+    data: DataConfig,
+    style: Style,
+    tokenizer: Tokenizer,
+    out: Path,
+    seq_len: int,
+    teacher: bool = False,
 ) -> Path:
     """Write `out` (JSONL: domain, difficulty, prompt ids, completion ids, copy positions);
-    turns longer than `seq_len` are left out and counted on the progress bar."""
+    turns longer than `seq_len` are left out and counted on the progress bar.
+
+    With `teacher` (the short style distilled from the think style), the examples are the
+    think style's and each row also holds the teacher's completion: the whole think turn,
+    whose answer, the short turn, is the row's completion (a short reference is exactly the
+    think reference without its reasoning)."""
     eos = tokenizer.raw.token_to_id(tokenizer.eos_token)
     rows, skipped = [], 0
-    bar = tqdm(chat_examples(data, style), total=data.examples, desc=f"sft data ({style})")
+    source = "think" if teacher else style
+    bar = tqdm(chat_examples(data, source), total=data.examples, desc=f"sft data ({style})")
     for example in bar:
         for messages, turn in example["turns"]:
             text = tokenizer.apply_chat_template(messages, tools=example.get("tools"))
-            prompt, completion = tokenizer.encode(text), [*tokenizer.encode(turn), eos]
-            if len(prompt) + len(completion) > seq_len + 1:
+            answer = split_reasoning(turn)[1] if teacher else turn
+            prompt, completion = tokenizer.encode(text), [*tokenizer.encode(answer), eos]
+            full = [*tokenizer.encode(turn), eos]
+            if len(prompt) + len(full) > seq_len + 1:
                 skipped += 1
                 bar.set_postfix(too_long=skipped)
                 continue
@@ -138,6 +155,8 @@ def build_sft(
                 "completion": completion,
                 "copy": copy_positions(messages, example.get("tools"), completion, tokenizer),
             }
+            if teacher:  # a tokenization that differs at the seam: the answer alone
+                row["teacher"] = full if full[-len(completion) :] == completion else completion
             rows.append(json.dumps(row) + "\n")
     if not rows:
         raise ValueError(f"no SFT example fits seq_len={seq_len}")
@@ -230,4 +249,10 @@ class SFTDataset:
             offset = len(row["prompt"]) - 1
             batch.copy_mask[b, [offset + j for j in row.get("copy", [])]] = True
         batch.domains = [row["domain"] for row in rows]
+        if "teacher" in rows[0]:
+            teacher = completion_batch([(r["prompt"], r["teacher"]) for r in rows], self.pad_id)
+            for b, row in enumerate(rows):  # the reasoning is context, not a target
+                reasoning = len(row["teacher"]) - len(row["completion"])
+                teacher.labels[b, : len(row["prompt"]) - 1 + reasoning] = IGNORE
+            batch.teacher = teacher
         return batch

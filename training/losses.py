@@ -75,7 +75,15 @@ def distillation_loss_sum(
     """Summed KL(teacher || student) of the temperature-softened distributions over the
     positions that carry a label, scaled by T^2 (Hinton et al.) so gradients keep their size."""
     keep = labels.flatten() != IGNORE
-    s = (student_logits.float().flatten(0, -2)[keep] / temperature).log_softmax(-1)
-    t = (teacher_logits.float().flatten(0, -2)[keep] / temperature).log_softmax(-1)
-    kl = F.kl_div(s, t, log_target=True, reduction="sum")
-    return kl * temperature**2
+    return kl_sum(
+        student_logits.flatten(0, -2)[keep], teacher_logits.flatten(0, -2)[keep], temperature
+    )
+
+
+def kl_sum(
+    student_rows: torch.Tensor, teacher_rows: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """Summed T^2 * KL(teacher || student) over matching rows of logits [N, V] (fp32)."""
+    s = (student_rows.float() / temperature).log_softmax(-1)
+    t = (teacher_rows.float() / temperature).log_softmax(-1)
+    return F.kl_div(s, t, log_target=True, reduction="sum") * temperature**2

@@ -11,6 +11,7 @@ tensors, as `tierserve quantize` writes it) instead.
 import asyncio
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from training.datasets import (
 from training.dpo_trainer import DPOTrainer
 from training.losses import (
     distillation_loss_sum,
+    kl_sum,
     load_balancing_loss,
     router_z_loss,
     shift_labels,
@@ -50,10 +52,21 @@ from training.trainer import EvalFn, LossFn, LossParts, Trainer, init_distribute
 HELDOUT_SEED_OFFSET = 2_000_000_000
 
 
-def lm_loss(cfg: TrainConfig, domains: list[str] | None = None) -> LossFn:
+@dataclass
+class Teacher:
+    model: CausalLM
+    weight: float
+    temperature: float
+
+
+def lm_loss(
+    cfg: TrainConfig, domains: list[str] | None = None, teacher: Teacher | None = None
+) -> LossFn:
     """Next-token cross-entropy, plus the MoE router losses and lambda * the MTP loss. With
     `domains` (the curriculum's), also the summed cross-entropy at copy positions and per
-    domain, with their counts, as metrics."""
+    domain, with their counts, as metrics. With a `teacher`, plus weight * the KL from the
+    teacher's distributions at the same answer tokens, which it predicts after its reasoning
+    (`Batch.teacher`): the short-style student learns what the reasoning tier concludes."""
 
     def loss(model: CausalLM, batch: Batch) -> LossParts:
         router_logits: list[torch.Tensor] | None = [] if model.config.is_moe else None
@@ -72,6 +85,17 @@ def lm_loss(cfg: TrainConfig, domains: list[str] | None = None) -> LossFn:
             ce_sum = ce.sum()
             metrics |= loss_breakdown(ce.detach(), batch, domains)
         token_sum = ce_sum
+        if teacher is not None:
+            assert batch.teacher is not None  # a dataset built with the teacher's turns
+            t = batch.teacher
+            with torch.no_grad():
+                t_hidden = teacher.model(t.input_ids, t.positions, padding_mask=t.padding_mask)
+                t_logits = teacher.model.compute_logits(t_hidden)
+            kd = kl_sum(
+                logits[batch.labels != IGNORE], t_logits[t.labels != IGNORE], teacher.temperature
+            )
+            token_sum = token_sum + teacher.weight * kd
+            metrics["kd_loss"] = kd.item() / max(1, batch.num_targets)
         extra = torch.zeros(())
         if router_logits:
             aux = load_balancing_loss(
@@ -232,6 +256,8 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
     (out_dir / "stage.json").write_text(config.model_dump_json(indent=2) + "\n")
     if config.qat.format is not None and config.stage != "sft":
         raise ConfigError(f"[qat] is for the sft stage, not {config.stage}")
+    if config.teacher is not None and (config.stage, config.style) != ("sft", "short"):
+        raise ConfigError("`teacher` distils a think-style model into the short-style sft stage")
     if config.stage in ("sft", "draft", "dpo", "rl") and not config.init:
         raise ConfigError(f"the {config.stage} stage needs `init`: a checkpoint directory")
     tok_dir = Path(config.tokenizer or config.init or "")
@@ -263,10 +289,12 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
         loss = lm_loss(cfg)
     else:
         style = "think" if config.stage == "draft" else config.style
+        distil = config.teacher is not None
+        name = f"sft-{style}" + ("-teacher" if distil else "")
         path = _build_once(
-            data_dir / f"sft-{style}.jsonl",
+            data_dir / f"{name}.jsonl",
             lambda: build_sft(
-                config.data, style, tokenizer, data_dir / f"sft-{style}.jsonl", cfg.seq_len
+                config.data, style, tokenizer, data_dir / f"{name}.jsonl", cfg.seq_len, distil
             ),
         )
         dataset = SFTDataset(path, pad_id)
@@ -293,7 +321,11 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
                     ),
                 )
                 heldout = SFTDataset(heldout_path, pad_id)
-            loss = lm_loss(cfg, curriculum.domains if curriculum else None)
+            teacher = None
+            if config.teacher is not None:
+                teacher_model = load_checkpoint(config.teacher).eval()
+                teacher = Teacher(teacher_model, config.kd_weight, config.kd_temperature)
+            loss = lm_loss(cfg, curriculum.domains if curriculum else None, teacher)
         else:
             if config.shape is None:
                 raise ConfigError("the draft stage needs `shape`: the drafter's config.json fields")

@@ -84,6 +84,22 @@ def test_an_sft_stage_with_qat_exports_an_fp4_checkpoint(
     load_checkpoint(tmp_path / "run" / "model")  # loads as the engine would
 
 
+@pytest.mark.slow
+def test_a_short_sft_stage_distils_from_a_think_teacher(
+    random_checkpoint: Path, tmp_path: Path
+) -> None:
+    sets = ["data.examples=12", "train.steps=2", "train.micro_batch=2", "train.eval_n=1"]
+    sets += ["train.eval_max_tokens=8", "data.mix={math = 1.0, tools = 1.0}"]
+    sets += [f'teacher="{random_checkpoint}"', "kd_weight=0.5"]
+    cmd = [sys.executable, "-c", "from serving.cli import main; main()", "train", "sft"]
+    cmd += ["--init", str(random_checkpoint), "--style", "short", "--out", str(tmp_path / "run")]
+    cmd += [f"--set={s}" for s in sets]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert all(row["kd_loss"] > 0 for row in log)
+    load_checkpoint(tmp_path / "run" / "model")
+
+
 def test_eval_quantization_prints_kl_and_agreement(random_checkpoint: Path, tmp_path) -> None:
     quantize_checkpoint(random_checkpoint, tmp_path / "mxfp4", "mxfp4", False)
     cmd = [sys.executable, "-c", "from serving.cli import main; main()", "eval", "quantization"]

@@ -49,6 +49,26 @@ def test_sft_examples_are_prompted_as_the_server_prompts(tokenizer, tmp_path: Pa
         assert batch.input_ids[b, :real].tolist() == (row["prompt"] + row["completion"])[:-1]
 
 
+def test_distillation_rows_line_the_teachers_answer_up_with_the_students(
+    tokenizer, tmp_path: Path
+) -> None:
+    """Short-style rows built with a teacher: the student completes with the answer alone,
+    the teacher reads its reasoning first, and only the answer's tokens are labelled in
+    both, in the same order, so position i of one is position i of the other."""
+    data = DataConfig(examples=12, mix=MIX, difficulties=[1, 2])
+    path = build_sft(data, "short", tokenizer, tmp_path / "sft.jsonl", 2048, teacher=True)
+    dataset = SFTDataset(path, tokenizer.raw.token_to_id(PAD_TOKEN))
+    think = tokenizer.raw.token_to_id("<think>")
+    assert all(row["completion"][0] != think for row in dataset.rows)
+    assert sum(row["teacher"][0] == think for row in dataset.rows) > len(dataset.rows) / 2
+    batch = dataset.collate(list(range(len(dataset))))
+    assert batch.teacher is not None
+    for b in range(len(dataset)):
+        student = batch.labels[b][batch.labels[b] != IGNORE].tolist()
+        teacher = batch.teacher.labels[b][batch.teacher.labels[b] != IGNORE].tolist()
+        assert student == teacher == dataset.rows[b]["completion"]
+
+
 def test_sft_build_leaves_out_what_does_not_fit(tokenizer, tmp_path: Path) -> None:
     data = DataConfig(examples=6, mix={"tools": 1.0}, difficulties=[1])
     with pytest.raises(ValueError, match="no SFT example fits"):
