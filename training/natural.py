@@ -70,6 +70,57 @@ CODE_HEADS = (
     "Implement solve({p}), returning {r}.",
     "Please write solve({p}) in Python so that it returns {r}.",
 )
+# Other ways to say a code operation ({x} its input, {k} its constant), as people put it:
+# shorter, and without the generator's edge-case notes, which the reference still follows.
+CODE_SAID = {
+    "list_sum": ("the total of {x}", "the sum of the numbers in {x}", "{x} added up"),
+    "list_len": ("how many elements {x} has", "the length of {x}", "the size of {x}"),
+    "list_max": ("the biggest number in {x}", "the maximum of {x}", "the max of {x}"),
+    "list_min": ("the smallest value in {x}", "the minimum of {x}", "the min of {x}"),
+    "count_even": ("the number of even numbers in {x}", "how many even values {x} has"),
+    "count_negative": (
+        "the number of negative numbers in {x}",
+        "how many values in {x} are below 0",
+    ),
+    "count_above": ("how many values in {x} exceed {k}", "the count of numbers in {x} above {k}"),
+    "list_first": ("the first element of {x}", "the head of {x}"),
+    "list_last": ("the last element of {x}", "the final item of {x}"),
+    "count_distinct": ("how many different values {x} has", "the count of unique numbers in {x}"),
+    "sort_up": ("{x} sorted from smallest to largest", "{x} in increasing order", "{x} sorted"),
+    "sort_down": ("{x} sorted from largest to smallest", "{x} in decreasing order"),
+    "list_reverse": ("{x} reversed", "{x} backwards"),
+    "keep_even": ("only the even numbers of {x}", "{x} filtered to its even values"),
+    "keep_odd": ("only the odd numbers of {x}", "{x} filtered to its odd values"),
+    "keep_positive": ("only the positive numbers of {x}", "the numbers in {x} above zero"),
+    "each_times": ("every number in {x} times {k}", "{x} with everything multiplied by {k}"),
+    "each_plus": ("{x} with {k} added to every element", "every number in {x} plus {k}"),
+    "each_squared": ("the squares of the numbers in {x}", "every element of {x} squared"),
+    "each_abs": ("the absolute values of {x}", "{x} with every number made non-negative"),
+    "dedupe": ("{x} without duplicates", "{x} with repeats removed, first occurrences kept"),
+    "drop_first": ("{x} minus its first element", "everything in {x} after the first item"),
+    "take_first": ("the first {k} items of {x}", "{x} cut to its first {k} elements"),
+    "int_plus": ("{x} + {k}", "{k} more than {x}"),
+    "int_times": ("{x} * {k}", "{x} multiplied by {k}"),
+    "int_abs": ("abs({x})", "{x} without its sign"),
+    "int_square": ("the square of {x}", "{x} to the power of 2"),
+    "int_negate": ("minus {x}", "the negative of {x}"),
+    "digit_sum": ("the sum of the digits of {x}", "{x}'s digits added up"),
+    "digit_count": ("how many digits {x} has", "the number of digits in {x}"),
+    "int_str": ("{x} as a string", "str({x})"),
+    "binary": ("{x} in binary (absolute value, no 0b)", "the binary form of abs({x}), no prefix"),
+    "str_len": ("the length of {x}", "how many characters {x} has"),
+    "count_vowels": ("the number of vowels in {x}", "how many vowels {x} contains"),
+    "count_upper": ("how many capital letters {x} has", "the count of uppercase characters in {x}"),
+    "count_words": ("how many words {x} has", "the word count of {x}"),
+    "str_reverse": ("{x} backwards", "the reverse of {x}"),
+    "str_upper": ("{x} in capitals", "{x} uppercased", "{x} in all caps"),
+    "str_lower": ("{x} lowercased", "{x} in small letters"),
+    "no_spaces": ("{x} without spaces", "{x} with the spaces stripped out"),
+    "no_vowels": ("{x} without its vowels", "{x} with every vowel deleted"),
+    "swap_case": ("{x} with upper and lower case swapped", "{x} with its case inverted"),
+    "reverse_words": ("{x} with its words in reverse order", "the words of {x} backwards"),
+    "word_lengths": ("the length of each word in {x}", "a list of the word lengths of {x}"),
+}
 CODE_KINDS = ("", " {p} is {k}.", " ({p} is {k})")
 CODE_TAILS = ("", "", "\n\nAnswer with the complete function in a ```python block.", " Use Python.")
 TOOL_OPENERS = ("", "", "Hey, ", "Hi! ", "Can you help? ", "Quick one: ")
@@ -221,12 +272,17 @@ def _math(task: Task, rng: random.Random) -> str:
 def _code(task: Task, rng: random.Random) -> str:
     chain = task.data["chain"]
     names, said = step_names(chain), phrases(chain)
+    for i, step in enumerate(chain):  # half the steps said another way
+        others = CODE_SAID.get(step["op"], ())
+        if others and rng.random() < 0.5:
+            op = OPS_BY_NAME[step["op"]]
+            said[i] = op.render(rng.choice(others), names[i], step["k"])
     kind = DESCRIBE[OPS_BY_NAME[chain[0]["op"]].takes]
     text = rng.choice(CODE_HEADS).format(p=names[0], r=said[-1])
     text += rng.choice(CODE_KINDS).format(p=names[0], k=kind)
     if len(chain) > 1:
         lets = " ".join(f"Let {names[i + 1]} be {said[i]}." for i in range(len(chain) - 1))
-        text += f" Here {lets}"
+        text += f" {lets}"
     if rng.random() < 0.6:
         shown = "\n".join(f"solve({a!r}) == {e!r}" for a, e in task.data["examples"])
         text += f"\n\nFor example:\n{shown}"

@@ -3,9 +3,10 @@
 import random
 import re
 
-from training.natural import naturalize
+from training.natural import CODE_SAID, naturalize
 from training.tasks import get_domain
 from training.tasks.base import play
+from training.tasks.code_ops import OPS_BY_NAME
 from training.tasks.math import MathDomain, operands
 from training.tasks.tool_bank import BANK
 
@@ -35,3 +36,10 @@ def test_tool_rewordings_rename_schemas_and_the_reference_follows() -> None:
             for value in task.data["calls"][0]["arguments"].values():
                 assert str(value).lower() in task.prompt.lower(), (value, task.prompt)
     assert 40 < unseen < 160
+
+
+def test_code_rewordings_name_real_operations_with_their_placeholders() -> None:
+    for name, others in CODE_SAID.items():
+        op = OPS_BY_NAME[name]
+        for said in others:
+            assert "{x}" in said and ("{k}" in said) == (op.k is not None), (name, said)
