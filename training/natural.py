@@ -16,6 +16,7 @@ from typing import Any
 from serving.model.chat_format import reasoning_block
 from training.tasks.base import Style, Task
 from training.tasks.code import DESCRIBE, OPS_BY_NAME, phrases, step_names
+from training.tasks.terminal import LEVELS as TERMINAL_LEVELS
 from training.tasks.tools import call_note
 
 SYSTEM_PROMPTS = (
@@ -123,6 +124,49 @@ CODE_SAID = {
 }
 CODE_KINDS = ("", " {p} is {k}.", " ({p} is {k})")
 CODE_TAILS = ("", "", "\n\nAnswer with the complete function in a ```python block.", " Use Python.")
+# Other ways to give a terminal task ({where}: which files, said another way), by template.
+TERMINAL_SAID = {
+    "move_logs": (
+        "shift every .log file {where} into archive/ (flat, no subfolders) and say how many moved",
+        "relocate the .log files {where} to archive/ directly; print the number of files moved",
+        "I want all .log files {where} in archive/ itself. Print how many you moved.",
+    ),
+    "count_errors": (
+        "print how many lines mention ERROR in the .log files {where}",
+        "what's the number of ERROR lines across the .log files {where}? print it",
+        "tell me the count of lines with ERROR in them, over the .log files {where}",
+    ),
+    "rename_txt": (
+        "give every .txt file {where} the extension .md instead, same name and folder",
+        "switch the .txt files {where} over to .md (only the extension changes)",
+        "all .txt files {where} need to be renamed to .md, staying in place",
+    ),
+    "delete_empty": (
+        "get rid of every empty file {where}",
+        "wipe out the files {where} that have no content",
+        "erase all files of size zero {where}",
+    ),
+    "csv_report": (
+        "put the .csv file names {where} into report.txt here: names only, sorted, one a line",
+        "I need report.txt in this directory with the sorted base names of the .csv files {where}",
+        "save a sorted list of the .csv files {where} (file names, no directories) to report.txt",
+    ),
+    "total_size": (
+        "how many bytes do the files {where} add up to? print the total",
+        "sum the sizes in bytes of all files {where} and print that",
+        "print the combined size in bytes of the files {where}",
+    ),
+}
+TERMINAL_TOP = {"move_logs": "logs", "count_errors": "logs", "rename_txt": "data"}
+TERMINAL_TOP |= {"delete_empty": "src", "csv_report": "data", "total_size": "data"}
+WHERE_SAID = {
+    False: ("in {top}/", "inside {top}/", "in the {top}/ directory"),
+    True: (
+        "under {top}/, subfolders included",
+        "in {top}/ and all its subdirectories",
+        "anywhere inside {top}/, however deep",
+    ),
+}
 TOOL_OPENERS = ("", "", "Hey, ", "Hi! ", "Can you help? ", "Quick one: ")
 # Other ways to ask for a one-call task, by tool: used when the call's arguments are exactly
 # the template's fields ({Field} is the value capitalised).
@@ -289,6 +333,22 @@ def _code(task: Task, rng: random.Random) -> str:
     return text + rng.choice(CODE_TAILS)
 
 
+def _terminal(task: Task, rng: random.Random) -> str:
+    """The task sentence said another way; the sandbox description and protocol around it
+    are the agent harness's, not the user's, and stay."""
+    nested = TERMINAL_LEVELS[task.difficulty][1]
+    said = []
+    for name in task.data["templates"]:
+        where = rng.choice(WHERE_SAID[nested]).format(top=TERMINAL_TOP[name])
+        said.append(rng.choice(TERMINAL_SAID[name]).format(where=where))
+    if len(said) == 1:
+        instruction = said[0]
+    else:
+        instruction = "Do both: " + " ".join(f"{i + 1}) {s}" for i, s in enumerate(said))
+    head, rest = task.prompt.split("Task: ", 1)
+    return f"{head}Task: {instruction}\n\n{rest.split(chr(10) * 2, 1)[1]}"
+
+
 def _opener(prompt: str, openers: tuple[str, ...], rng: random.Random) -> str:
     """An informal opener; sometimes without the final full stop."""
     opener = rng.choice(openers)
@@ -370,8 +430,8 @@ def naturalize(task: Task, rng: random.Random) -> tuple[Task, str | None]:
             prompt = _tool_request(task, rng) if rng.random() < 0.5 else prompt
             task = _unseen_tools(task, rng) if rng.random() < 0.5 else task
         prompt = _opener(prompt, TOOL_OPENERS, rng)
-    else:  # terminal: the prompt describes the sandbox the commands run in; keep it
-        prompt = task.prompt
+    else:
+        prompt = _terminal(task, rng)
     system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.4 else None
     return dataclasses.replace(task, prompt=prompt), system
 

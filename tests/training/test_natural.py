@@ -43,3 +43,16 @@ def test_code_rewordings_name_real_operations_with_their_placeholders() -> None:
         op = OPS_BY_NAME[name]
         for said in others:
             assert "{x}" in said and ("{k}" in said) == (op.k is not None), (name, said)
+
+
+def test_terminal_rewordings_change_only_the_task_sentence() -> None:
+    domain, rng = get_domain("terminal"), random.Random(0)
+    for seed in range(12):
+        task = domain.generate(seed, 1 + seed % 3)
+        reworded, _ = naturalize(task, rng)
+        head, rest = task.prompt.split("Task: ")
+        assert reworded.prompt.startswith(head + "Task: ")
+        assert reworded.prompt.endswith(rest[rest.index("\n\n") :])
+        assert reworded.prompt != task.prompt
+        _, verdict = play(domain, reworded, domain.reference(reworded, "think"))
+        assert verdict.reward == 1.0, verdict.reason
