@@ -143,7 +143,7 @@ def build_sft(
             text = tokenizer.apply_chat_template(messages, tools=example.get("tools"))
             answer = split_reasoning(turn)[1] if teacher else turn
             prompt, completion = tokenizer.encode(text), [*tokenizer.encode(answer), eos]
-            full = [*tokenizer.encode(turn), eos]
+            full = [*tokenizer.encode(turn), eos] if teacher else completion
             if len(prompt) + len(full) > seq_len + 1:
                 skipped += 1
                 bar.set_postfix(too_long=skipped)

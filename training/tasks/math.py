@@ -204,12 +204,13 @@ def _step(op: str, a: int, b: int) -> list[str]:
     else:
         adds = (op == "+") == ((a < 0) == (b < 0))  # the magnitudes add up
         big, small = (x, y) if adds else (max(x, y), min(x, y))
-        magnitudes = f"{big} {'+' if adds else '-'} {small}"
+        sign = "+" if adds else "-"
+        magnitudes = f"{big} {sign} {small}"
         if max(x, y) >= 10 and min(x, y) >= 1:
             columns = _column_add(big, small) if adds else _column_sub(big, small)
             work = [f"  {magnitudes} in columns:", *columns]
         else:
-            work = [f"  ones: {magnitudes.replace(' ', '')}={abs(result)}"] if big < 10 else []
+            work = [f"  ones: {big}{sign}{small}={abs(result)}"] if big < 10 else []
     if work and head != magnitudes:
         work.insert(0, f"  {head} = " + (f"-({magnitudes})" if result < 0 else magnitudes))
     return [*work, f"{head} = {result}"]

@@ -48,10 +48,16 @@ def _email(name: str) -> str:
     return ascii_name.lower().replace(" ", ".") + "@example.com"
 
 
+def date_in_words(iso: str) -> str:
+    """ "2026-03-05" -> "March 5, 2026"."""
+    year, month, day = (int(part) for part in iso.split("-"))
+    return f"{MONTHS[month - 1]} {day}, {year}"
+
+
 def _date(rng: random.Random) -> tuple[str, str]:
     """A date as (YYYY-MM-DD, "March 5, 2026")."""
-    month, day = rng.randint(1, 12), rng.randint(1, 28)
-    return f"2026-{month:02d}-{day:02d}", f"{MONTHS[month - 1]} {day}, 2026"
+    iso = f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+    return iso, date_in_words(iso)
 
 
 def _code(rng: random.Random, n: int) -> str:

@@ -44,7 +44,7 @@ from training.tasks.base import (
     Verdict,
 )
 from training.tasks.tool_bank import BANK
-from training.tasks.tool_tasks import CHAINS, MONTHS, SINGLES
+from training.tasks.tool_tasks import CHAINS, SINGLES, date_in_words
 
 
 def _show(value: Any) -> str:
@@ -172,11 +172,10 @@ def _value(key: str, value: Any, request: str) -> str:
     """An argument as the note states it. A date the request gives in words is converted on
     the line, month number first, so the model recalls one fact and then copies."""
     text = json.dumps(value, ensure_ascii=False)
-    iso = re.fullmatch(r"(\d{4})-(\d\d)-(\d\d)", value) if isinstance(value, str) else None
+    iso = re.fullmatch(r"\d{4}-(\d\d)-(\d\d)", value) if isinstance(value, str) else None
     if iso and value not in request:
-        year, month, day = (int(part) for part in iso.groups())
-        said = f"{MONTHS[month - 1]} {day}, {year}"
-        return f'{key} "{said}" = month {month}, day {day} = {text}'
+        month, day = (int(part) for part in iso.groups())
+        return f'{key} "{date_in_words(value)}" = month {month}, day {day} = {text}'
     return f"{key} {text}"
 
 
