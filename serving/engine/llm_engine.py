@@ -21,6 +21,7 @@ from serving.model.config import ModelConfig
 from serving.model.decode_graphs import graph_sizes
 from serving.model.device import kv_cache_budget, resolve_device
 from serving.model.dtype import resolve_kv_cache_dtype
+from serving.model.host_memory import retain_freed_memory
 from serving.model.paged import kv_bytes_per_block
 from serving.model.sampling import SamplingParams, TokenLogprob
 from serving.model.tokenizer import Tokenizer
@@ -151,6 +152,8 @@ class LLMEngine:
             budget = kv_cache_budget(weight.device, config.gpu_memory_utilization)
         elif budget is None:
             budget = CPU_KV_CACHE_BYTES
+        if weight.device.type == "cpu":
+            retain_freed_memory()
         per_block = kv_bytes_per_block(model.config, config.block_size, kv_dtype)
         if config.speculative and config.speculative.method == "draft":
             # The draft model keeps as many blocks as the target (`_proposer`): one budget.

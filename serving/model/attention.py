@@ -10,6 +10,11 @@ attention call), then chunks. Short chunks (at most `SHORT_CHUNK` tokens: a last
 its speculative drafts, the tail of a prompt) are batched into one more call, padded to
 the longest; longer prefill chunks get one call each. Chunks see the cached prefix and
 themselves, causally.
+
+On the CPU, decodes whose sequences share leading blocks (the n samples of one prompt, as
+rollouts send them) attend in two parts, as FlashInfer's cascade attention does: each group's
+queries together over its shared prefix, read once, and each sequence over the rest of its
+cache; the two softmaxes merge by their log-sum-exps.
 """
 
 from dataclasses import dataclass, field
@@ -59,6 +64,98 @@ class ShortChunks:
 
 
 @dataclass
+class SharedPrefixes:
+    """J groups of decodes (up to G each) sharing their first blocks, for cascade attention.
+    Decode indices refer to the step's decodes; a group's slot `j * G + i` is its i-th member,
+    padded with its first."""
+
+    prefix_tables: torch.Tensor  # [J, max prefix blocks] long, padded
+    prefix_mask: torch.Tensor  # [J, 1, 1, max prefix blocks * block_size] additive
+    members: torch.Tensor  # [J * G] long: the decode in each slot
+    slot: torch.Tensor  # [num_decodes] long: each decode's slot (0 if in no group)
+    grouped: torch.Tensor  # [num_decodes] bool
+    suffix_tables: torch.Tensor  # [num_decodes, max suffix blocks] long: the blocks after it
+    suffix_mask: torch.Tensor  # [num_decodes, 1, 1, max suffix blocks * block_size] additive
+
+    @classmethod
+    def build(
+        cls, groups: list[tuple[list[int], int]], tables: list[list[int]], context_lens: list[int],
+        block_size: int, dtype: torch.dtype, device: torch.device,
+    ) -> "SharedPrefixes":  # fmt: skip
+        """`groups`: (decode indices, blocks they share); `tables` and `context_lens` of every
+        decode."""
+        width = max(len(rows) for rows, _ in groups)
+        members, slot = [], [0] * len(tables)
+        prefix = [0] * len(tables)
+        for j, (rows, shared) in enumerate(groups):
+            members.extend(rows + rows[:1] * (width - len(rows)))
+            for i, r in enumerate(rows):
+                slot[r], prefix[r] = j * width + i, shared
+        suffixes = [t[p:] for t, p in zip(tables, prefix, strict=True)]
+        shared_lens = [p * block_size for _, p in groups]
+        suffix_lens = [n - p * block_size for n, p in zip(context_lens, prefix, strict=True)]
+
+        def padded(rows: list[list[int]]) -> torch.Tensor:
+            w = max(map(len, rows))
+            return torch.tensor([r + [0] * (w - len(r)) for r in rows], device=device)
+
+        def mask(lens: list[int], width: int) -> torch.Tensor:
+            valid = torch.arange(width, device=device) < torch.tensor(lens, device=device)[:, None]
+            m = torch.zeros(valid.shape, dtype=dtype, device=device)
+            return m.masked_fill_(~valid, float("-inf"))[:, None, None, :]
+
+        prefix_tables = padded([tables[rows[0]][:p] for rows, p in groups])
+        suffix_tables = padded(suffixes)
+        return cls(
+            prefix_tables,
+            mask(shared_lens, prefix_tables.shape[1] * block_size),
+            torch.tensor(members, device=device),
+            torch.tensor(slot, device=device),
+            torch.tensor([p > 0 for p in prefix], device=device),
+            suffix_tables,
+            mask(suffix_lens, suffix_tables.shape[1] * block_size),
+        )
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q [B, heads, d] of the step's decodes -> [B, heads, d]."""
+        b, d = q.shape[0], q.shape[-1]
+        kv_heads = k_cache.shape[2]
+        group = q.shape[1] // kv_heads
+        qd = q.view(b, kv_heads, group, d)
+        j = self.prefix_tables.shape[0]
+        # Each group's members' queries side by side, where a query length goes.
+        qp = qd.index_select(0, self.members).view(j, -1, kv_heads, group, d)
+        qp = qp.transpose(1, 2).reshape(j, kv_heads, -1, d)
+        kp = _gather(k_cache, self.prefix_tables, q.dtype)
+        vp = _gather(v_cache, self.prefix_tables, q.dtype)
+        op, lp = _attention_lse(qp, kp, vp, self.prefix_mask, scale)
+        op = op.view(j, kv_heads, -1, group, d).transpose(1, 2).reshape(-1, kv_heads, group, d)
+        lp = lp.view(j, kv_heads, -1, group).transpose(1, 2).reshape(-1, kv_heads, group)
+        op, lp = op.index_select(0, self.slot), lp.index_select(0, self.slot)
+        lp = lp.masked_fill(~self.grouped[:, None, None], float("-inf"))
+        ks = _gather(k_cache, self.suffix_tables, q.dtype)
+        vs = _gather(v_cache, self.suffix_tables, q.dtype)
+        os, ls = _attention_lse(qd, ks, vs, self.suffix_mask, scale)
+        top = torch.maximum(lp, ls)  # the suffix holds the query's own token: never -inf
+        wp, ws = (lp - top).exp()[..., None], (ls - top).exp()[..., None]
+        o = (op.float() * wp + os.float() * ws) / (wp + ws)
+        return o.to(q.dtype).view(b, -1, d)
+
+
+def _attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel (what `F.scaled_dot_product_attention` runs here), called for
+    the log-sum-exp of each query's scores [B, H, L] (fp32) that it returns beside the output."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+    )
+    return out, lse
+
+
+@dataclass
 class PrefillChunk:
     start: int  # first token of the chunk in the step's flat token array
     length: int  # tokens in the chunk
@@ -74,6 +171,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] long
     prefills: list[PrefillChunk] = field(default_factory=list)
     short: ShortChunks | None = None
+    shared: SharedPrefixes | None = None  # the CPU's cascade attention for the decodes
     # Built once per step for decode attention: additive mask hiding padded cache slots.
     decode_mask: torch.Tensor | None = None
 
@@ -83,8 +181,9 @@ class AttentionMetadata:
 
     def prepare(self, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Precompute what every layer would otherwise rebuild; masks in the queries' dtype.
-        The decode mask is for SDPA only: the Triton kernel reads the context lengths."""
-        if self.num_decodes and not ops.use_triton(device):
+        The decode mask is for SDPA without cascade only: the Triton kernel reads the context
+        lengths, and shared prefixes carry masks of their own."""
+        if self.num_decodes and self.shared is None and not ops.use_triton(device):
             max_ctx = self.decode_block_tables.shape[1] * block_size
             pos = torch.arange(max_ctx, device=device)
             valid = pos[None, :] < self.decode_context_lens[:, None]
@@ -128,15 +227,18 @@ def paged_attention(
     nd = meta.num_decodes
     out = torch.empty_like(q) if meta.prefills or meta.short else None
     if nd:
-        o = decode_attention(
-            q[:nd],
-            k_cache,
-            v_cache,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            meta.decode_mask,
-            scale,
-        )
+        if meta.shared is not None:
+            o = meta.shared.attend(q[:nd], k_cache, v_cache, scale)
+        else:
+            o = decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                meta.decode_mask,
+                scale,
+            )
         if out is None:  # a decode-only step, the common case
             return o
         out[:nd] = o
