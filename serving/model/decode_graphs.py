@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from serving.model.attention import AttentionMetadata
+from serving.model.attention import AttentionMetadata, padded_tables
 from serving.model.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -169,9 +169,7 @@ class DecodeGraphs:
         buf.slots[:b] = rows[2]
         torch.add(rows[1], 1, out=buf.context_lens[:b])
         width = max(map(len, block_tables))
-        buf.block_tables[:b, :width] = torch.tensor(
-            [t + [0] * (width - len(t)) for t in block_tables]
-        )
+        buf.block_tables[:b, :width] = padded_tables(block_tables, buf.block_tables.device)
         pad = buf.head(size)
         pad.ids[b:] = 0
         pad.positions[b:] = 0

@@ -22,6 +22,7 @@ from serving.model.attention import (
     PrefillChunk,
     SharedPrefixes,
     ShortChunks,
+    padded_tables,
 )
 from serving.model.causal_lm import CausalLM, pack_for_inference
 from serving.model.config import ModelConfig
@@ -47,6 +48,8 @@ def shared_prefix_groups(
     groups: list[tuple[list[int], int]] = []
 
     def split(rows: list[int], depth: int) -> None:  # rows share their first `depth` blocks
+        if len(rows) < 2:
+            return
         while depth < min(full[r] for r in rows) and len({tables[r][depth] for r in rows}) == 1:
             depth += 1
         children: dict[int, list[int]] = defaultdict(list)
@@ -59,13 +62,7 @@ def shared_prefix_groups(
         if not deeper and depth:
             groups.append((rows, depth))
 
-    first: dict[int, list[int]] = defaultdict(list)
-    for r, n in enumerate(full):
-        if n:
-            first[tables[r][0]].append(r)
-    for rows in first.values():
-        if len(rows) > 1:
-            split(rows, 1)
+    split(list(range(len(tables))), 0)
     return groups
 
 
@@ -134,23 +131,16 @@ class PagedModel:
         slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in spans[:nd]]
         tables = lens = shared = None
         if nd:
-            width = max(len(s.block_table) for s in spans[:nd])
-            tables = self._tensor(
-                [s.block_table + [0] * (width - len(s.block_table)) for s in spans[:nd]]
-            )
-            lens = self._tensor([p + 1 for p in positions])
+            decode_tables = [s.block_table for s in spans[:nd]]
+            context_lens = [p + 1 for p in positions]
+            tables = padded_tables(decode_tables, self.device)
+            lens = self._tensor(context_lens)
             if not ops.use_triton(self.device):
-                decode_tables = [s.block_table for s in spans[:nd]]
-                groups = shared_prefix_groups(decode_tables, [p + 1 for p in positions], bs)
+                groups = shared_prefix_groups(decode_tables, context_lens, bs)
                 # Worth a second attention call when it saves a block per decode.
                 if sum((len(rows) - 1) * n for rows, n in groups) >= nd:
                     shared = SharedPrefixes.build(
-                        groups,
-                        decode_tables,
-                        [p + 1 for p in positions],
-                        bs,
-                        self.dtype,
-                        self.device,
+                        groups, decode_tables, context_lens, bs, self.dtype, self.device
                     )
         prefills: list[PrefillChunk] = []
         short: list[tuple[TokenSpan, int]] = []
