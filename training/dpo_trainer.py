@@ -46,7 +46,8 @@ def objective_scores(rollout: Rollout, style: str, max_tokens: int) -> dict[str,
     """Each objective of the rollout's first answer, in [0, 1]."""
     turn = rollout.turns[0]
     reasoning, content = split_reasoning(turn.text)
-    well_formed = (reasoning is not None) == (style == "think") and not any(
+    reasons = DOMAINS[rollout.task.domain].reasons(style)
+    well_formed = (reasoning is not None) == reasons and not any(
         tag in content for tag in (THINK_START, THINK_END)
     )
     if CALL_START in content:

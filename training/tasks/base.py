@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Style = Literal["think", "short"]  # full tier: <think> trace then answer; highspeed: answer only
+Style = Literal["think", "short"]  # full tier: <think> trace then answer; highspeed: short answers
 MIN_DIFFICULTY, MAX_DIFFICULTY = 1, 3
 
 
@@ -68,6 +68,10 @@ class Domain(ABC):
 
     @abstractmethod
     def start(self, task: Task) -> Episode: ...
+
+    def reasons(self, style: Style) -> bool:
+        """Whether a reference answer in `style` opens with a reasoning block."""
+        return style == "think"
 
 
 def play(domain: Domain, task: Task, turns: list[str]) -> tuple[Episode, Verdict]:

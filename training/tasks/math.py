@@ -309,15 +309,19 @@ class MathDomain(Domain):
 
     def reference(self, task: Task, style: Style) -> list[str]:
         answer = task.data["answer"]
-        if style == "short":
-            return [str(answer)]
         # The expression restated in symbols first: a request in words ("subtract 19 from
         # 100") is then worked from the line above, like any other.
         lines = [f"Work out {task.data['expression']} innermost first, one operation at a time."]
         lines += _trace(task.data["tree"])
-        lines.append(f"So {task.data['expression']} = {answer}.")
-        body = "\n".join(lines)
-        return [reasoning_block(body) + str(answer)]
+        if style == "think":
+            lines.append(f"So {task.data['expression']} = {answer}.")
+        return [reasoning_block("\n".join(lines)) + str(answer)]
+
+    def reasons(self, style: Style) -> bool:
+        """The short style keeps the column working too: without it a small model adds and
+        multiplies multi-digit numbers in one step, and gets them wrong (the highspeed model
+        trained on bare answers completed 2% of held-out math)."""
+        return True
 
     def start(self, task: Task) -> Episode:
         return MathEpisode(task)

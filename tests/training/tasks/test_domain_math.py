@@ -175,7 +175,8 @@ def test_reference_conversations_render_through_the_chat_template(random_checkpo
                 episode.messages, tools=task.tools, add_generation_prompt=False
             )
             assert task.prompt in text and text.endswith(f"{task.data['answer']}<|im_end|>\n")
-            assert ("<think>\nWork out " in text) == (style == "think")
+            assert "<think>\nWork out " in text  # both styles keep the working
+            assert (f"So {task.data['expression']} =" in text) == (style == "think")
             assert tokenizer.encode(text)
 
 
