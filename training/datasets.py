@@ -29,7 +29,7 @@ from training.config import DataConfig
 from training.copy_text import copy_document
 from training.data import pretrain_documents, sft_examples
 from training.natural import out_of_domain
-from training.tasks import get_domain
+from training.tasks import DOMAINS, get_domain
 from training.tasks.base import Style
 from training.tokenizer import PAD_TOKEN
 
@@ -119,6 +119,10 @@ def copy_positions(
     ]
 
 
+def _short_style_reasons(domain: str) -> bool:
+    return domain in DOMAINS and DOMAINS[domain].reasons("short")  # "other" has no domain
+
+
 def build_sft(
     data: DataConfig,
     style: Style,
@@ -132,8 +136,9 @@ def build_sft(
 
     With `teacher` (the short style distilled from the think style), the examples are the
     think style's and each row also holds the teacher's completion: the whole think turn,
-    whose answer, the short turn, is the row's completion (a short reference is exactly the
-    think reference without its reasoning)."""
+    whose answer, the short turn, is the row's completion (a short reference is the think
+    reference without its reasoning; in a domain whose short style keeps its working, math,
+    the student learns the whole think turn)."""
     eos = tokenizer.raw.token_to_id(tokenizer.eos_token)
     rows, skipped = [], 0
     source = "think" if teacher else style
@@ -141,7 +146,9 @@ def build_sft(
     for example in bar:
         for messages, turn in example["turns"]:
             text = tokenizer.apply_chat_template(messages, tools=example.get("tools"))
-            answer = split_reasoning(turn)[1] if teacher else turn
+            answer = turn
+            if teacher and not _short_style_reasons(example["domain"]):
+                answer = split_reasoning(turn)[1]
             prompt, completion = tokenizer.encode(text), [*tokenizer.encode(answer), eos]
             full = [*tokenizer.encode(turn), eos] if teacher else completion
             if len(prompt) + len(full) > seq_len + 1:

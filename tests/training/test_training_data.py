@@ -52,14 +52,17 @@ def test_sft_examples_are_prompted_as_the_server_prompts(tokenizer, tmp_path: Pa
 def test_distillation_rows_line_the_teachers_answer_up_with_the_students(
     tokenizer, tmp_path: Path
 ) -> None:
-    """Short-style rows built with a teacher: the student completes with the answer alone,
-    the teacher reads its reasoning first, and only the answer's tokens are labelled in
-    both, in the same order, so position i of one is position i of the other."""
+    """Short-style rows built with a teacher: the student completes with the answer alone
+    (math, whose short style keeps its working, with the whole think turn), the teacher
+    reads its reasoning first, and only the answer's tokens are labelled in both, in the
+    same order, so position i of one is position i of the other."""
     data = DataConfig(examples=12, mix=MIX, difficulties=[1, 2])
     path = build_sft(data, "short", tokenizer, tmp_path / "sft.jsonl", 2048, teacher=True)
     dataset = SFTDataset(path, tokenizer.raw.token_to_id(PAD_TOKEN))
     think = tokenizer.raw.token_to_id("<think>")
-    assert all(row["completion"][0] != think for row in dataset.rows)
+    assert {row["domain"] for row in dataset.rows} == set(MIX)
+    for row in dataset.rows:
+        assert (row["completion"][0] == think) == (row["domain"] == "math")
     assert sum(row["teacher"][0] == think for row in dataset.rows) > len(dataset.rows) / 2
     batch = dataset.collate(list(range(len(dataset))))
     assert batch.teacher is not None
