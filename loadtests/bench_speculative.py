@@ -11,9 +11,11 @@ token for token against the plain run. Methods alternate within each round, and 
 median over rounds is reported, so slow periods of a noisy machine hit all alike.
 
     python loadtests/bench_speculative.py [--concurrency 1 4 16] [--new-tokens 128] [--k 4]
+        [--enforce-eager]
 """
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -101,10 +103,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--costs", action="store_true", help="measure the cost model only")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no compiled steps (the server compiles)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    config = EngineConfig(enforce_eager=args.enforce_eager)
     if args.costs:
-        target = LLMEngine.from_checkpoint(args.target)
+        target = LLMEngine.from_checkpoint(args.target, config)
+        if target.runner.graphs is not None:
+            target.runner.graphs.wait()
         measure_costs(target, LLMEngine.from_checkpoint(args.draft), args.k)
         return
 
@@ -115,14 +123,18 @@ def main() -> None:
         "draft": SpeculativeConfig(method="draft", model=args.draft, num_speculative_tokens=args.k),
     }
     engines = {
-        name: LLMEngine.from_checkpoint(args.target, EngineConfig(speculative=spec))
+        name: LLMEngine.from_checkpoint(args.target, dataclasses.replace(config, speculative=spec))
         for name, spec in specs.items()
     }
+    for engine in engines.values():  # compiled steps as the server runs them, once ready
+        if engine.runner.graphs is not None:
+            engine.runner.graphs.wait()
     prompts = task_prompts(engines["none"].tokenizer, max(args.requests, max(args.concurrency)))
     print(
         f"target {args.target.name}, greedy, {len(prompts)} held-out task prompts "
         f"({min(map(len, prompts))}-{max(map(len, prompts))} tokens), up to {args.new_tokens} "
-        f"new tokens, k <= {args.k}, {args.threads} thread(s), median of {args.rounds} rounds"
+        f"new tokens, k <= {args.k}, {args.threads} thread(s), median of {args.rounds} rounds, "
+        + ("eager" if args.enforce_eager else "compiled steps")
     )
     rows = []
     total = len(args.concurrency) * args.rounds * len(engines)

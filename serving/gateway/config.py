@@ -185,12 +185,13 @@ class GatewayConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     cors: CORSConfig = CORSConfig()
     json_logs: bool = True  # one JSON object per log line on stderr
-    # The highspeed tier decodes with its MTP head (greedy-identical; on this CPU 1.16x at one
-    # stream, 1.42x at four, off past `disable_by_batch_size`: loadtests/bench_speculative.py).
+    # The highspeed tier speculates with n-gram lookup (greedy-identical): against the
+    # compiled decode steps the server runs, its MTP head is a loss on this CPU (0.79-0.96x at
+    # one stream) and n-gram lookup about even (0.93-1.08x): loadtests/bench_speculative.py.
     tiers: Tiers = Tiers(
         full=EmbeddedTier(model=Path("models/demo-full")),
         highspeed=EmbeddedTier(
-            model=Path("models/demo-highspeed"), speculative=SpeculativeConfig(method="mtp")
+            model=Path("models/demo-highspeed"), speculative=SpeculativeConfig(method="ngram")
         ),
     )
     router: RouterConfig = RouterConfig()

@@ -3,9 +3,10 @@
 A decode step of a small model on a CPU is bound by per-operation overhead: thousands of
 small ATen calls and the Python between them. `torch.compile` (inductor's C++ code) turns
 the forward into a few fused kernels and the projections' GEMMs, but only for fixed shapes.
-So, as vLLM does with CUDA graphs, decode-only steps are padded to the next of a few batch
-sizes and each size has its own graph (`dynamic=False`); a larger batch and every step with
-a prefill chunk or drafts run eagerly.
+So, as vLLM does with CUDA graphs, decode steps are padded to the next of a few batch
+sizes and each size has its own graph (`dynamic=False`). A step of several tokens per
+sequence (drafts to verify, a short prefill chunk) takes one row per token
+(`PagedModel.forward`); a step of more tokens than the largest size runs eagerly.
 
 Inputs live in preallocated buffers: token ids, positions, slots, context lengths, block
 tables padded to the longest a sequence can have, and the attention mask. Padding rows

@@ -179,14 +179,21 @@ class PagedModel:
 
     @torch.inference_mode()
     def forward(self, spans: list[TokenSpan]) -> torch.Tensor:
-        """Final hidden states of every token of the spans (decodes must come first)."""
+        """Final hidden states of every token of the spans (decodes must come first).
+
+        A step of few tokens (decodes, drafts to verify, a short chunk) runs in a compiled
+        decode graph, one row per token: every row's key and value are written before any
+        row attends, and each row attends up to its own position, so the tokens of one span
+        see each other causally, as in a prefill."""
         graphs = self.graphs
-        if (
-            graphs is not None
-            and all(len(s.token_ids) == 1 for s in spans)
-            and graphs.fits(len(spans), max(len(s.block_table) for s in spans))
+        if graphs is not None and graphs.fits(
+            sum(len(s.token_ids) for s in spans), max(len(s.block_table) for s in spans)
         ):
-            ids = [s.token_ids[0] for s in spans]
-            return graphs.run(ids, [s.start for s in spans], [s.block_table for s in spans])
+            ids, positions, tables = [], [], []
+            for s in spans:
+                ids += s.token_ids
+                positions += range(s.start, s.start + len(s.token_ids))
+                tables += [s.block_table] * len(s.token_ids)
+            return graphs.run(ids, positions, tables)
         input_ids, positions, meta = self.prepare(spans)
         return self.model(input_ids, positions, meta)

@@ -14,6 +14,7 @@ from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
 from serving.model.decode_graphs import graph_sizes
 from serving.model.sampling import SamplingParams
+from speculative.config import SpeculativeConfig
 from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
 
 
@@ -57,3 +58,40 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch):
         torch.testing.assert_close(b.self_attn.k_cache[:n], a.self_attn.k_cache)
         torch.testing.assert_close(b.self_attn.v_cache[:n], a.self_attn.v_cache)
     assert any((tmp_path / "cache" / "inductor").iterdir())
+
+
+@pytest.mark.slow
+def test_verify_steps_run_in_the_graph_one_row_per_token(tmp_path: Path, monkeypatch):
+    """A sequence's last token and its drafts go through the compiled graph as rows of one
+    block table; the rows see each other causally, so speculation keeps eager's tokens."""
+    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [8])
+    ckpt = save_tiny_moe(tmp_path / "tiny-moe")
+    # Prompts that repeat themselves, so prompt lookup drafts from the first step on.
+    ps = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    config = dict(max_num_seqs=2, max_num_batched_tokens=64)
+    spec = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, disable_by_batch_size=None
+    )
+    eager = LLMEngine(load_checkpoint(ckpt), EngineConfig(**config), eos_token_ids=[])
+    compiled = LLMEngine(
+        load_checkpoint(ckpt),
+        EngineConfig(**config, enforce_eager=False, speculative=spec),
+        eos_token_ids=[],
+    )
+    graphs = compiled.runner.graphs
+    graphs.wait()
+    steps = []  # (rows, sequences) of each graphed step
+    run = graphs.run
+
+    def recorded(ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        steps.append((len(ids), len({tuple(t) for t in tables})))
+        return run(ids, positions, tables)
+
+    graphs.run = recorded
+    want = [o[0].token_ids for o in eager.generate(ps, params)]
+    got = [o[0].token_ids for o in compiled.generate(ps, params)]
+    assert got == want
+    assert any(rows > seqs for rows, seqs in steps)  # a sequence's token and its drafts
+    assert compiled.speculator.stats.num_draft_tokens > 0
