@@ -110,9 +110,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     config = EngineConfig(enforce_eager=args.enforce_eager)
     if args.costs:
-        target = LLMEngine.from_checkpoint(args.target, config)
-        if target.runner.graphs is not None:
-            target.runner.graphs.wait()
+        target = _ready(args.target, config)
         measure_costs(target, LLMEngine.from_checkpoint(args.draft), args.k)
         return
 
@@ -123,12 +121,9 @@ def main() -> None:
         "draft": SpeculativeConfig(method="draft", model=args.draft, num_speculative_tokens=args.k),
     }
     engines = {
-        name: LLMEngine.from_checkpoint(args.target, dataclasses.replace(config, speculative=spec))
+        name: _ready(args.target, dataclasses.replace(config, speculative=spec))
         for name, spec in specs.items()
     }
-    for engine in engines.values():  # compiled steps as the server runs them, once ready
-        if engine.runner.graphs is not None:
-            engine.runner.graphs.wait()
     prompts = task_prompts(engines["none"].tokenizer, max(args.requests, max(args.concurrency)))
     print(
         f"target {args.target.name}, greedy, {len(prompts)} held-out task prompts "
@@ -172,6 +167,14 @@ def main() -> None:
           "length | greedy-identical |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+
+
+def _ready(path: Path, config: EngineConfig) -> LLMEngine:
+    """An engine whose compiled steps (unless eager) are all built, as a warm server's are."""
+    engine = LLMEngine.from_checkpoint(path, config)
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.wait()
+    return engine
 
 
 def _counts(engine: LLMEngine) -> tuple[int, int, int]:
