@@ -142,6 +142,8 @@ class StageConfig(BaseModel):
     style: Literal["think", "short"] = "think"
     init: str | None = None  # a checkpoint directory to start from (sft, draft's teacher)
     shape: dict[str, Any] | None = None  # config.json fields of a model built from scratch
+    # sft: start from these decoder layers of `init` only (depth pruning, training/pruning.py)
+    keep_layers: list[int] | None = None
     tokenizer: str | None = None  # a directory holding tokenizer.json (pretrain, draft)
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()

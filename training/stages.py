@@ -41,6 +41,7 @@ from training.losses import (
     token_loss_sum,
     token_losses,
 )
+from training.pruning import keep_layers
 from training.qat import disable_qat, enable_qat, served_state_dict
 from training.rl_trainer import RLTrainer
 from training.tasks import harness
@@ -258,6 +259,8 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
         raise ConfigError(f"[qat] is for the sft stage, not {config.stage}")
     if config.teacher is not None and (config.stage, config.style) != ("sft", "short"):
         raise ConfigError("`teacher` distils a think-style model into the short-style sft stage")
+    if config.keep_layers is not None and config.stage != "sft":
+        raise ConfigError(f"keep_layers is for the sft stage, not {config.stage}")
     if config.stage in ("sft", "draft", "dpo", "rl") and not config.init:
         raise ConfigError(f"the {config.stage} stage needs `init`: a checkpoint directory")
     tok_dir = Path(config.tokenizer or config.init or "")
@@ -300,6 +303,8 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
         dataset = SFTDataset(path, pad_id)
         if config.stage == "sft":
             model = load_checkpoint(config.init)
+            if config.keep_layers is not None:
+                model = keep_layers(model, config.keep_layers)
             if config.qat.format is not None:
                 enable_qat(model, config.qat.format, config.qat.all_linear)
             if config.curriculum.enabled:
