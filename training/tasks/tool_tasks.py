@@ -10,7 +10,7 @@ here is deterministic given the `random.Random` it is handed.
 import random
 import unicodedata
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from training.tasks.tool_bank import CUISINES, LANGUAGES
 
@@ -244,6 +244,21 @@ def _chain_order(rng: random.Random) -> dict[str, Any]:
     }
 
 
+def running_best(entries: list[tuple[str, float]], better: Literal["higher", "lower"]) -> str:
+    """Picking the best of a list one comparison at a time, the current best restated at each
+    step: a small model fails to pick the maximum of three values in one step, and then to
+    copy the id that goes with it."""
+    best_id, best = entries[0]
+    steps = [f"Best so far: {best_id} {best}"]
+    for entry_id, value in entries[1:]:
+        if value > best if better == "higher" else value < best:
+            best_id, best = entry_id, value
+            steps.append(f"{entry_id} {value} is {better}, best {best_id} {best}")
+        else:
+            steps.append(f"{entry_id} {value} is not {better}, best stays {best_id} {best}")
+    return "; ".join(steps) + "."
+
+
 def _chain_flight(rng: random.Random) -> dict[str, Any]:
     (origin, destination), (iso, _) = rng.sample(CITIES, 2), _date(rng)
     n = rng.randint(1, 3)
@@ -258,6 +273,7 @@ def _chain_flight(rng: random.Random) -> dict[str, Any]:
     ]
     cheapest = min(flights, key=lambda f: f["price"])
     prices = ", ".join(f"{f['flight_id']} {f['price']}" for f in flights)
+    scan = running_best([(f["flight_id"], f["price"]) for f in flights], "lower")
     code = _code(rng, 6)
     search = {"origin": origin, "destination": destination, "date": iso, "passengers": n}
     booking = {"confirmation": code, "total_price": cheapest["price"] * n}
@@ -278,8 +294,7 @@ def _chain_flight(rng: random.Random) -> dict[str, Any]:
                 "book_flight",
                 {"flight_id": cheapest["flight_id"], "passengers": n},
                 booking,
-                f"Prices: {prices}. "
-                f"The cheapest is {cheapest['flight_id']} at {cheapest['price']}; I book it.",
+                f"Prices: {prices}. {scan} I book {cheapest['flight_id']}.",
             ),
         ],
         "key": code,
@@ -297,6 +312,7 @@ def _chain_table(rng: random.Random) -> dict[str, Any]:
     ]
     best = max(places, key=lambda p: p["rating"])
     ratings = ", ".join(f"{p['restaurant_id']} {p['rating']}" for p in places)
+    scan = running_best([(p["restaurant_id"], p["rating"]) for p in places], "higher")
     reference = "BK-" + _code(rng, 6)
     table = {"restaurant_id": best["restaurant_id"], "party_size": party, "time": time}
     return {
@@ -315,8 +331,7 @@ def _chain_table(rng: random.Random) -> dict[str, Any]:
                 "book_table",
                 table,
                 {"booking_reference": reference},
-                f"Ratings: {ratings}. "
-                f"{best['name']} ({best['restaurant_id']}) has the top rating, {best['rating']}.",
+                f"Ratings: {ratings}. {scan} I book {best['restaurant_id']}.",
             ),
         ],
         "key": reference,

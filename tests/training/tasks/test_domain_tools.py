@@ -9,7 +9,7 @@ from serving.model.tokenizer import Tokenizer
 from serving.model.tool_calls import parse_tool_calls
 from training.tasks.base import play
 from training.tasks.tool_bank import BANK
-from training.tasks.tool_tasks import SINGLES
+from training.tasks.tool_tasks import SINGLES, running_best
 from training.tasks.tools import ToolsDomain
 
 DOMAIN = ToolsDomain()
@@ -253,3 +253,13 @@ def test_reference_conversations_render_through_the_chat_template(random_checkpo
                 if difficulty == 3:
                     assert text.count("<tool_response>") == 2 and task.data["key"] in text
                 assert tokenizer.encode(text)
+
+
+def test_picking_the_best_restates_the_best_after_each_comparison() -> None:
+    prices = [("LH9172", 897), ("JL3101", 890), ("AF7", 906)]
+    assert running_best(prices, "lower") == (
+        "Best so far: LH9172 897; JL3101 890 is lower, best JL3101 890; "
+        "AF7 906 is not lower, best stays JL3101 890."
+    )
+    ratings = [("r_1", 4.9), ("r_2", 4.1), ("r_3", 4.6)]
+    assert running_best(ratings, "higher").endswith("best stays r_1 4.9.")
