@@ -1,9 +1,10 @@
 """Recipes: the whole chain from nothing to the three shipped models.
 
-tokenizer -> pretrain (the base MoE, with MTP) -> SFT in the think style (the full tier)
-and in the short style (the first highspeed model), both from the same base -> with a
-`qat.toml`, quantization-aware SFT of the short model, whose FP4 export is the highspeed
-tier that ships -> the full
+tokenizer -> pretrain (the base MoE, with MTP) -> SFT in the think style (the full tier) ->
+the highspeed student: the think-style model cut to some of its decoder layers (`[highspeed]
+keep_layers` in recipe.toml), fine-tuned in the short style and distilled from the think-style
+model -> with a `qat.toml`, quantization-aware SFT of the student, whose FP4 export is the
+highspeed tier that ships -> the full
 tier's post-training stages that the recipe has (`dpo.toml`, `rl.toml`), each evaluated on
 held-out tasks against the model before it -> a dense drafter distilled from the full model
 that ships -> model cards with every stage's table, and the three Hugging Face directories
@@ -145,6 +146,17 @@ def _mean_completion(rows: list[dict]) -> float:
     return sum(overall) / len(overall)
 
 
+def _student_fields(full_sft: Path, recipe: dict[str, Any]) -> dict[str, Any]:
+    """The highspeed model's SFT: the full tier's SFT model cut to `[highspeed] keep_layers`,
+    trained on short answers and distilled from that model's reasoned ones."""
+    return {
+        "init": str(full_sft),
+        "style": "short",
+        "keep_layers": recipe["highspeed"]["keep_layers"],
+        "teacher": str(full_sft),
+    }
+
+
 def run_recipe(
     name: str, work: Path, models: Path, allow_regression: bool = False
 ) -> dict[str, Path]:
@@ -169,7 +181,7 @@ def run_recipe(
     stages = [
         ("pretrain", "pretrain.toml", {"tokenizer": str(tok)}),
         ("sft-think", "sft.toml", {"init": str(work / "pretrain" / "model"), "style": "think"}),
-        ("sft-short", "sft.toml", {"init": str(work / "pretrain" / "model"), "style": "short"}),
+        ("sft-short", "sft.toml", _student_fields(work / "sft-think" / "model", recipe)),
     ]
     short_stages = ["sft-short"]
     if (src / "qat.toml").exists():
@@ -229,8 +241,9 @@ def run_recipe(
         "full": "The full tier: the base MoE fine-tuned on step-by-step reasoning traces "
         "(`<think>...</think>` before the answer) of the four task domains, then "
         f"post-trained ({' -> '.join(full_stages)}); the `{best}` model ships.",
-        "highspeed": "The highspeed tier: the same base fine-tuned on short direct answers of "
-        "the same tasks"
+        "highspeed": "The highspeed tier: the full tier's SFT model cut to its decoder layers "
+        f"{recipe['highspeed']['keep_layers']}, fine-tuned on short direct answers of the same "
+        "tasks and distilled from the full tier's reasoned ones"
         + (
             ", then trained through FP4 expert weights (quantization-aware) and stored as FP4."
             if "qat-short" in short_stages
