@@ -45,6 +45,9 @@ class TrainConfig(BaseModel):
     aux_loss_coef: float = Field(0.01, ge=0)  # MoE load balancing (Switch / Mixtral)
     z_loss_coef: float = Field(1e-3, ge=0)  # router z-loss (ST-MoE)
     mtp_weight: float = Field(0.0, ge=0)  # lambda of the MTP loss; 0 trains no MTP
+    # SFT: the loss weight of copy positions (values copied from the prompt or a tool result).
+    # A 10-character code copied at 0.085 nats a character comes out whole 43% of the time.
+    copy_weight: float = Field(1.0, ge=1)
     save_every: int = Field(50, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     eval_every: int = Field(0, ge=0)  # 0: evaluate only at the end

@@ -63,7 +63,8 @@ class Teacher:
 def lm_loss(
     cfg: TrainConfig, domains: list[str] | None = None, teacher: Teacher | None = None
 ) -> LossFn:
-    """Next-token cross-entropy, plus the MoE router losses and lambda * the MTP loss. With
+    """Next-token cross-entropy (copy positions weighted `copy_weight`), plus the MoE router
+    losses and lambda * the MTP loss. With
     `domains` (the curriculum's), also the summed cross-entropy at copy positions and per
     domain, with their counts, as metrics. With a `teacher`, plus weight * the KL from the
     teacher's distributions at the same answer tokens, which it predicts after its reasoning
@@ -79,13 +80,18 @@ def lm_loss(
         )
         logits = model.compute_logits(hidden)
         metrics: dict[str, float] = {}
-        if domains is None:
+        weigh_copies = cfg.copy_weight != 1 and batch.copy_mask is not None
+        if domains is None and not weigh_copies:
             ce_sum = token_loss_sum(logits, batch.labels)
+            token_sum = ce_sum
         else:
             ce = token_losses(logits, batch.labels)
             ce_sum = ce.sum()
-            metrics |= loss_breakdown(ce.detach(), batch, domains)
-        token_sum = ce_sum
+            token_sum = ce_sum
+            if weigh_copies:
+                token_sum = token_sum + (cfg.copy_weight - 1) * ce[batch.copy_mask].sum()
+            if domains is not None:
+                metrics |= loss_breakdown(ce.detach(), batch, domains)
         if teacher is not None:
             assert batch.teacher is not None  # a dataset built with the teacher's turns
             t = batch.teacher
