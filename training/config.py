@@ -161,6 +161,66 @@ class StageConfig(BaseModel):
     qat: QATConfig = QATConfig()  # sft only
 
 
+class TokenizerSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    vocab_size: int = Field(ge=64)
+    examples: int = Field(ge=1)  # tasks whose text trains it
+
+
+class HighspeedSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keep_layers: list[int] | None = None  # the student's decoder layers; None: all of them
+
+
+class EvalSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    domains: list[str] = list(DOMAINS)
+    difficulties: list[int] = [1, 2, 3]
+    n: int = Field(10, ge=1)
+    seed: int = 0
+    max_tokens: int = Field(512, ge=1)
+
+    @field_validator("domains")
+    @classmethod
+    def _known(cls, domains: list[str]) -> list[str]:
+        unknown = set(domains) - set(DOMAINS)
+        if unknown or not domains:
+            raise ValueError(f"unknown domains {sorted(unknown)}; choose from {sorted(DOMAINS)}")
+        return domains
+
+
+class RegressionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_drop: float = Field(5.0, ge=0)  # points a domain may lose to a post-training stage
+
+
+class RecipeConfig(BaseModel):
+    """A recipe's `recipe.toml`: what is not one stage's (the stages have their own TOMLs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokenizer: TokenizerSpec
+    highspeed: HighspeedSpec = HighspeedSpec()
+    # Recommended sampling (temperature, top_p, top_k...) for each model's generation_config.json
+    generation: dict[str, float | int] = {}
+    eval: EvalSpec = EvalSpec()
+    draft_agreement: DataConfig = DataConfig(examples=200, seed=1_000_000_000)
+    regression: RegressionSpec = RegressionSpec()
+
+
+def load_recipe_config(path: Path) -> RecipeConfig:
+    try:
+        return RecipeConfig.model_validate(tomllib.loads(path.read_text(encoding="utf-8")))
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"{path}: {e}") from e
+    except ValidationError as e:
+        raise ConfigError(f"{path}: invalid recipe:\n{e}") from e
+
+
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node = raw
     *parents, leaf = key.split(".")

@@ -22,7 +22,6 @@ import json
 import shutil
 import tempfile
 import time
-import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from tqdm import tqdm
 
 from serving.model.checkpoint import load_checkpoint
 from serving.model.tokenizer import Tokenizer
-from training.config import DataConfig, load_stage_config
+from training.config import DataConfig, RecipeConfig, load_recipe_config, load_stage_config
 from training.datasets import IGNORE, SFTDataset, build_sft, chat_examples
 from training.stages import run_stage
 from training.tasks import harness
@@ -100,16 +99,17 @@ def draft_agreement(draft_dir: Path, full_dir: Path, data: DataConfig, seq_len: 
     return agree / total
 
 
-def evaluate_model(model_dir: Path, recipe: dict, out: Path) -> list[dict]:
+def evaluate_model(model_dir: Path, recipe: RecipeConfig, out: Path) -> list[dict]:
+    spec = recipe.eval
     records = asyncio.run(
         harness.run(
-            list(recipe["eval"]["domains"]),
-            recipe["eval"]["difficulties"],
-            recipe["eval"]["n"],
-            recipe["eval"]["seed"],
+            spec.domains,
+            spec.difficulties,
+            spec.n,
+            spec.seed,
             8,
             model_dir=str(model_dir),
-            max_tokens=recipe["eval"]["max_tokens"],
+            max_tokens=spec.max_tokens,
         )
     )
     report = harness.report(records)
@@ -121,7 +121,7 @@ def _size_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
 
 
-def recommend_sampling(model_dir: Path, settings: dict[str, float]) -> None:
+def recommend_sampling(model_dir: Path, settings: dict[str, float | int]) -> None:
     """Add the recipe's recommended sampling settings to generation_config.json, which the
     engine applies to requests that leave them unset (`--generation-config auto`)."""
     path = model_dir / "generation_config.json"
@@ -146,13 +146,13 @@ def _mean_completion(rows: list[dict]) -> float:
     return sum(overall) / len(overall)
 
 
-def _student_fields(full_sft: Path, recipe: dict[str, Any]) -> dict[str, Any]:
+def _student_fields(full_sft: Path, recipe: RecipeConfig) -> dict[str, Any]:
     """The highspeed model's SFT: the full tier's SFT model cut to `[highspeed] keep_layers`,
     trained on short answers and distilled from that model's reasoned ones."""
     return {
         "init": str(full_sft),
         "style": "short",
-        "keep_layers": recipe["highspeed"]["keep_layers"],
+        "keep_layers": recipe.highspeed.keep_layers,
         "teacher": str(full_sft),
     }
 
@@ -162,7 +162,7 @@ def run_recipe(
 ) -> dict[str, Path]:
     """Run recipe `name` with its stages under `work`, publish its models under `models`."""
     src = recipe_dir(name)
-    recipe = tomllib.loads((src / "recipe.toml").read_text())
+    recipe = load_recipe_config(src / "recipe.toml")
     started = time.monotonic()
     timings: dict[str, float] = {}
 
@@ -175,7 +175,7 @@ def run_recipe(
     tok = timed(
         "tokenizer",
         lambda: build_tokenizer(
-            work / "tokenizer", recipe["tokenizer"]["vocab_size"], recipe["tokenizer"]["examples"]
+            work / "tokenizer", recipe.tokenizer.vocab_size, recipe.tokenizer.examples
         ),
     )
     stages = [
@@ -209,8 +209,9 @@ def run_recipe(
             lambda s=stage: evaluate_model(work / s / "model", recipe, work / f"eval-{s}.json"),
         )
         full_stages.append(stage)
-        max_drop = recipe.get("regression", {}).get("max_drop", 5.0)
-        failures = harness.regressions(evals[stage], {"summary": evals[before]}, max_drop)
+        failures = harness.regressions(
+            evals[stage], {"summary": evals[before]}, recipe.regression.max_drop
+        )
         if failures:
             regressions[stage] = failures
             message = f"{stage} regressed against {before}: " + "; ".join(failures)
@@ -235,14 +236,13 @@ def run_recipe(
             for s in short_stages
         ),
     }
-    agreement_data = DataConfig(**recipe["draft_agreement"])
-    agreement = draft_agreement(draft, full, agreement_data, 1024)
+    agreement = draft_agreement(draft, full, recipe.draft_agreement, 1024)
     hows = {
         "full": "The full tier: the base MoE fine-tuned on step-by-step reasoning traces "
         "(`<think>...</think>` before the answer) of the four task domains, then "
         f"post-trained ({' -> '.join(full_stages)}); the `{best}` model ships.",
         "highspeed": "The highspeed tier: the full tier's SFT model cut to its decoder layers "
-        f"{recipe['highspeed']['keep_layers']}, fine-tuned on short direct answers of the same "
+        f"{recipe.highspeed.keep_layers or 'all'}, fine-tuned on short direct answers of the same "
         "tasks and distilled from the full tier's reasoned ones"
         + (
             ", then trained through FP4 expert weights (quantization-aware) and stored as FP4."
@@ -257,7 +257,7 @@ def run_recipe(
         target = published[tier]
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(model_dir, target)
-        recommend_sampling(target, recipe.get("generation", {}))
+        recommend_sampling(target, recipe.generation)
         table = tables.get(tier, "(not evaluated on the domains: a drafter, see above)")
         write_card(target, f"{name}-{tier}", hows[tier], table, command)
     summary = {

@@ -76,7 +76,7 @@ def test_a_regressing_stage_stops_the_recipe(
     monkeypatch.setattr(recipes, "build_tokenizer", lambda out, *_: out)
     monkeypatch.setattr(recipes, "run_stage", lambda config, out: out / "model")
 
-    def evaluate(model_dir: Path, recipe: dict, out: Path) -> list[dict]:
+    def evaluate(model_dir: Path, recipe: object, out: Path) -> list[dict]:
         rate = rates[model_dir.parent.name]
         return [{"domain": "math", "difficulty": "all", "completion_rate": rate}]
 
