@@ -151,6 +151,9 @@ class StageConfig(BaseModel):
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     kd_temperature: float = Field(1.0, gt=0)  # draft, sft: softmax temperature of distillation
+    # draft: distil on the reference turns of `style`, or on the target's (`init`'s) own greedy
+    # completions of the same prompts (training/target_data.py)
+    draft_data: Literal["reference", "target"] = "reference"
     # sft in the short style: the think-style checkpoint whose answer-token distributions,
     # given its reasoning, the student learns (logit KL), weighted by kd_weight
     teacher: str | None = None

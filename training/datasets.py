@@ -94,7 +94,7 @@ def chat_examples(data: DataConfig, style: Style) -> Iterator[dict]:
             yield next(sft_examples(domains[name], [seed], [difficulty], style, data.natural))
 
 
-def _write_atomic(path: Path, write) -> None:
+def write_atomic(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         write(f)
@@ -168,7 +168,7 @@ def build_sft(
     if not rows:
         raise ValueError(f"no SFT example fits seq_len={seq_len}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out, lambda f: f.write("".join(rows).encode()))
+    write_atomic(out, lambda f: f.write("".join(rows).encode()))
     return out
 
 
@@ -191,7 +191,7 @@ def build_pretrain(data: DataConfig, tokenizer: Tokenizer, out: Path) -> Path:
     for doc in tqdm(pretrain_text(data), total=data.examples, desc="pretrain data"):
         ids += [*tokenizer.encode(doc), eod]
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out, lambda f: np.save(f, np.asarray(ids, dtype=np.int32)))
+    write_atomic(out, lambda f: np.save(f, np.asarray(ids, dtype=np.int32)))
     return out
 
 

@@ -44,6 +44,7 @@ from training.losses import (
 from training.pruning import keep_layers
 from training.qat import disable_qat, enable_qat, served_state_dict
 from training.rl_trainer import RLTrainer
+from training.target_data import target_completions
 from training.tasks import harness
 from training.tokenizer import EOS_TOKEN, PAD_TOKEN
 from training.trainer import EvalFn, LossFn, LossParts, Trainer, init_distributed
@@ -265,6 +266,8 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
         raise ConfigError(f"[qat] is for the sft stage, not {config.stage}")
     if config.teacher is not None and (config.stage, config.style) != ("sft", "short"):
         raise ConfigError("`teacher` distils a think-style model into the short-style sft stage")
+    if config.draft_data != "reference" and config.stage != "draft":
+        raise ConfigError(f"draft_data is for the draft stage, not {config.stage}")
     if config.keep_layers is not None and config.stage != "sft":
         raise ConfigError(f"keep_layers is for the sft stage, not {config.stage}")
     if config.stage in ("sft", "draft", "dpo", "rl") and not config.init:
@@ -297,7 +300,7 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
         model = _new_model(config.shape, tokenizer, cfg.mtp_weight > 0, cfg.seed)
         loss = lm_loss(cfg)
     else:
-        style = "think" if config.stage == "draft" else config.style
+        style = config.style
         distil = config.teacher is not None
         name = f"sft-{style}" + ("-teacher" if distil else "")
         path = _build_once(
@@ -306,6 +309,9 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
                 config.data, style, tokenizer, data_dir / f"{name}.jsonl", cfg.seq_len, distil
             ),
         )
+        if config.draft_data == "target":
+            reference, path = path, data_dir / f"{name}-target.jsonl"
+            _build_once(path, lambda: target_completions(reference, path, config.init, cfg.seq_len))
         dataset = SFTDataset(path, pad_id)
         if config.stage == "sft":
             model = load_checkpoint(config.init)
