@@ -65,11 +65,11 @@ def lm_loss(
     cfg: TrainConfig, domains: list[str] | None = None, teacher: Teacher | None = None
 ) -> LossFn:
     """Next-token cross-entropy (copy positions weighted `copy_weight`), plus the MoE router
-    losses and lambda * the MTP loss. With
-    `domains` (the curriculum's), also the summed cross-entropy at copy positions and per
-    domain, with their counts, as metrics. With a `teacher`, plus weight * the KL from the
-    teacher's distributions at the same answer tokens, which it predicts after its reasoning
-    (`Batch.teacher`): the short-style student learns what the reasoning tier concludes."""
+    losses and lambda * the MTP loss. With `domains` (the curriculum's), also the summed
+    cross-entropy at copy positions and per domain, with their counts, as metrics. With a
+    `teacher`, plus weight * the KL from the teacher's distributions at the same answer tokens,
+    which it predicts after its reasoning (`Batch.teacher`): the short-style student learns
+    what the reasoning tier concludes."""
 
     def loss(model: CausalLM, batch: Batch) -> LossParts:
         router_logits: list[torch.Tensor] | None = [] if model.config.is_moe else None
@@ -83,14 +83,12 @@ def lm_loss(
         metrics: dict[str, float] = {}
         weigh_copies = cfg.copy_weight != 1 and batch.copy_mask is not None
         if domains is None and not weigh_copies:
-            ce_sum = token_loss_sum(logits, batch.labels)
-            token_sum = ce_sum
+            ce_sum = token_sum = token_loss_sum(logits, batch.labels)
         else:
             ce = token_losses(logits, batch.labels)
-            ce_sum = ce.sum()
-            token_sum = ce_sum
+            ce_sum = token_sum = ce.sum()
             if weigh_copies:
-                token_sum = token_sum + (cfg.copy_weight - 1) * ce[batch.copy_mask].sum()
+                token_sum = ce_sum + (cfg.copy_weight - 1) * ce[batch.copy_mask].sum()
             if domains is not None:
                 metrics |= loss_breakdown(ce.detach(), batch, domains)
         if teacher is not None:
