@@ -6,6 +6,7 @@ Unknown keys are errors, so a typo cannot silently leave a default in force.
 """
 
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +17,12 @@ from training.tasks import DOMAINS
 
 class ConfigError(ValueError):
     """A stage configuration that does not load or validate."""
+
+
+def check_domains(names: Iterable[str]) -> None:
+    unknown = set(names) - set(DOMAINS)
+    if unknown:
+        raise ValueError(f"unknown domains {sorted(unknown)}; choose from {sorted(DOMAINS)}")
 
 
 class OptimConfig(BaseModel):
@@ -70,9 +77,7 @@ class DataConfig(BaseModel):
     @field_validator("mix")
     @classmethod
     def _known_domains(cls, mix: dict[str, float]) -> dict[str, float]:
-        unknown = set(mix) - set(DOMAINS)
-        if unknown:
-            raise ValueError(f"unknown domains {sorted(unknown)}; choose from {sorted(DOMAINS)}")
+        check_domains(mix)
         if not mix or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
             raise ValueError("mix weights must be non-negative with a positive sum")
         return mix
@@ -189,9 +194,9 @@ class EvalSpec(BaseModel):
     @field_validator("domains")
     @classmethod
     def _known(cls, domains: list[str]) -> list[str]:
-        unknown = set(domains) - set(DOMAINS)
-        if unknown or not domains:
-            raise ValueError(f"unknown domains {sorted(unknown)}; choose from {sorted(DOMAINS)}")
+        if not domains:
+            raise ValueError(f"no domains; choose from {sorted(DOMAINS)}")
+        check_domains(domains)
         return domains
 
 

@@ -81,16 +81,12 @@ def lm_loss(
         )
         logits = model.compute_logits(hidden)
         metrics: dict[str, float] = {}
-        weigh_copies = cfg.copy_weight != 1 and batch.copy_mask is not None
-        if domains is None and not weigh_copies:
-            ce_sum = token_sum = token_loss_sum(logits, batch.labels)
-        else:
-            ce = token_losses(logits, batch.labels)
-            ce_sum = token_sum = ce.sum()
-            if weigh_copies:
-                token_sum = ce_sum + (cfg.copy_weight - 1) * ce[batch.copy_mask].sum()
-            if domains is not None:
-                metrics |= loss_breakdown(ce.detach(), batch, domains)
+        ce = token_losses(logits, batch.labels)
+        ce_sum = token_sum = ce.sum()
+        if cfg.copy_weight != 1 and batch.copy_mask is not None:
+            token_sum = ce_sum + (cfg.copy_weight - 1) * ce[batch.copy_mask].sum()
+        if domains is not None:
+            metrics |= loss_breakdown(ce.detach(), batch, domains)
         if teacher is not None:
             assert batch.teacher is not None  # a dataset built with the teacher's turns
             t = batch.teacher
