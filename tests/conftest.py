@@ -46,3 +46,10 @@ def random_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from training.init_checkpoint import init_checkpoint  # only the tests that need it load it
 
     return init_checkpoint(tmp_path_factory.mktemp("checkpoint") / "tiny-moe")
+
+
+@pytest.fixture
+def any_dtype_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every dtype counts as native (`serving/model/dtype.py` refuses a named one the machine
+    lacks): paths that name bfloat16 run on any CPU, emulated, with the same numerics."""
+    monkeypatch.setattr("serving.model.dtype.is_supported", lambda dtype, device=None: True)

@@ -8,8 +8,6 @@ embeddings, final norm, head and MTP module are kept whole.
 
 import dataclasses
 
-import torch
-
 from serving.model.causal_lm import CausalLM
 from training.config import ConfigError
 
@@ -38,8 +36,7 @@ def keep_layers(model: CausalLM, layers: list[int]) -> CausalLM:
                 continue
             name = f"layers.{renumber[index]}.{rest}"
         state[name] = tensor
-    with torch.device("meta"):
-        student = CausalLM(student_config)
+    student = CausalLM.empty(student_config)
     student.load_state_dict(state, assign=True, strict=True)
     if student_config.tie_word_embeddings:
         student.lm_head.weight = student.embed_tokens.weight

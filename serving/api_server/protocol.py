@@ -198,14 +198,28 @@ class ChatCompletionRequest(SamplingRequest):
         json_object = (
             self.response_format is not None and self.response_format.type == "json_object"
         )
-        # "required" and a named function force one call, by constrained decoding.
+        # Constrained decoding: "required" and a named function force one call; "auto" (the
+        # default with tools) holds each call the model starts to the offered names, unless
+        # the output must be a JSON object.
         tool_names = None
         if isinstance(self.tool_choice, NamedToolChoice):
             tool_names = [self.tool_choice.function.name]
-        elif self.tool_choice == "required":
+        elif self.tool_choice == "required" or (
+            self.tools and self.tool_choice in (None, "auto") and not json_object
+        ):
             tool_names = [tool.function.name for tool in self.tools or []]
         return self._sampling_params(
-            max_tokens, logprobs, defaults, json_object=json_object, tool_names=tool_names
+            max_tokens,
+            logprobs,
+            defaults,
+            json_object=json_object,
+            tool_names=tool_names,
+            tool_call_optional=self.tool_choice in (None, "auto") and tool_names is not None,
+            tool_parameters={
+                t.function.name: t.function.parameters
+                for t in self.tools or []
+                if t.function.parameters is not None
+            },
         )
 
 

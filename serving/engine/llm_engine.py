@@ -14,7 +14,7 @@ from serving.engine.model_runner import ModelRunner, SampledTokens
 from serving.engine.scheduler import Scheduler
 from serving.engine.sequence import Sequence
 from serving.engine.token_vocabulary import json_vocabulary
-from serving.engine.tool_constraint import ToolCallConstraint
+from serving.engine.tool_constraint import OptionalToolCallConstraint, ToolCallConstraint
 from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
 from serving.model.config import ModelConfig
@@ -262,7 +262,12 @@ class LLMEngine:
                 seq.constraint = JsonObjectConstraint(vocab, self.eos_token_ids)
             elif params.tool_names is not None:
                 vocab = json_vocabulary(self.tokenizer.raw)
-                seq.constraint = ToolCallConstraint(vocab, self.eos_token_ids, params.tool_names)
+                kind = (
+                    OptionalToolCallConstraint if params.tool_call_optional else ToolCallConstraint
+                )
+                seq.constraint = kind(
+                    vocab, self.eos_token_ids, params.tool_names, params.tool_parameters
+                )
             seqs.append(seq)
         detoks = [
             IncrementalDetokenizer(self.tokenizer.raw, prompt_token_ids, params)

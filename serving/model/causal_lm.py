@@ -39,18 +39,27 @@ def normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(eps))).to(x.dtype)
 
 
+def rope_table(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, ...]:
+    """cos and sin [max_positions, head_dim], computed on the CPU whatever the default device:
+    the same math on `meta` (a model built before its weights load) goes through Python
+    reference kernels whose first use imports for ~3 s, on every engine start."""
+    cpu = torch.device("cpu")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed cos/sin table indexed by position."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = rope_table(head_dim, max_positions, theta)
+        device = torch.get_default_device()
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rope":
         """The cos/sin rows of a step's positions, looked up once for all layers."""
@@ -190,6 +199,14 @@ class MTPLayer(nn.Module):
         return self.norm(self.block(h, rope, meta, mask, None))
 
 
+# What nn.Linear's and nn.Embedding's reset_parameters call.
+_INIT_FUNCTIONS = ("kaiming_uniform_", "uniform_", "normal_")
+
+
+def _no_init(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor
+
+
 class CausalLM(nn.Module):
     """`Qwen3MoeForCausalLM` (or `Qwen3ForCausalLM` when the config has no experts)."""
 
@@ -209,6 +226,21 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         n_mtp = config.mtp.num_layers if config.mtp else 0
         self.mtp = nn.ModuleList(MTPLayer(config) for _ in range(n_mtp))
+
+    @classmethod
+    def empty(cls, config: ModelConfig) -> "CausalLM":
+        """The model on `meta`, for weights about to be loaded, without the random init
+        (transformers' `no_init_weights`): init's ops on `meta` run Python reference
+        kernels whose first use imports for ~3 s, on every engine start before /health."""
+        skipped = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+        try:
+            for name in skipped:
+                setattr(nn.init, name, _no_init)
+            with torch.device("meta"):
+                return cls(config)
+        finally:
+            for name, init in skipped.items():
+                setattr(nn.init, name, init)
 
     def forward(
         self,

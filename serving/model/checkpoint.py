@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from kernels import ops
 from kernels.formats import FP4Format
 from serving.model import quantization
-from serving.model.causal_lm import CausalLM
+from serving.model.causal_lm import CausalLM, rope_table
 from serving.model.config import CheckpointError, ModelConfig
 from serving.model.device import CPU
 from serving.model.dtype import resolve_dtype
@@ -72,8 +72,7 @@ def load_checkpoint(
     config = ModelConfig.from_file(path / "config.json")
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, config.dtype, device)
-    with torch.device("meta"):
-        model = CausalLM(config)
+    model = CausalLM.empty(config)
     hf = read_safetensors(path, device)
     if config.quantization is not None:
         fmt = quantization.checkpoint_format(config.quantization)
@@ -91,8 +90,8 @@ def load_checkpoint(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     # Non-persistent buffers (RoPE tables) were created on meta: rebuild them.
-    fresh = type(model.rotary)(config.head_dim, config.max_position_embeddings, config.rope_theta)
-    model.rotary.cos, model.rotary.sin = fresh.cos.to(device), fresh.sin.to(device)
+    cos, sin = rope_table(config.head_dim, config.max_position_embeddings, config.rope_theta)
+    model.rotary.cos, model.rotary.sin = cos.to(device), sin.to(device)
     return model.eval()
 
 

@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,12 +111,12 @@ class DecodeGraphs:
         )
         self.buffers = padding(sizes[-1])
         self.key_positions = torch.arange(max_blocks * block_size)
-        self.forward = torch.compile(model, dynamic=False, fullgraph=True)
+        self.forward: Callable[..., torch.Tensor] | None = None  # set by the thread
         self.num_ready = 0  # sizes[:num_ready] are compiled
         # Made here, not in the thread's inference mode: guards tell inference tensors apart.
         inputs = [padding(size) for size in sizes]
         self._capture = threading.Thread(
-            target=self._compile, args=(inputs,), name="decode-graphs", daemon=True
+            target=self._compile, args=(model, inputs), name="decode-graphs", daemon=True
         )
         self._capture.start()
 
@@ -124,14 +125,17 @@ class DecodeGraphs:
         self._capture.join()
 
     @torch.inference_mode()
-    def _compile(self, inputs: list[_Inputs]) -> None:
+    def _compile(self, model: CausalLM, inputs: list[_Inputs]) -> None:
         """Each size on inputs of its own (padding rows: they touch only the scratch block),
-        so the engine may use the buffers meanwhile. A failure leaves the rest eager."""
-        # One cache entry per size and model (a process may hold several engines); dynamo's
-        # config is per thread.
-        torch._dynamo.config.recompile_limit = 64
+        so the engine may use the buffers meanwhile. A failure leaves the rest eager. Even
+        `torch.compile` is called here: its first call imports dynamo (~2-4 s), which would
+        otherwise hold the server's start."""
         start = time.monotonic()
         try:
+            self.forward = torch.compile(model, dynamic=False, fullgraph=True)
+            # One cache entry per size and model (a process may hold several engines);
+            # dynamo's config is per thread.
+            torch._dynamo.config.recompile_limit = 64
             for padding in inputs:
                 self._call(padding)
                 self.num_ready += 1

@@ -4,12 +4,16 @@ the KV cache. Logits, softmax and sampling stay fp32 whatever the model computes
 A dtype the device has no native matmul for (on a CPU, oneDNN's check: AVX512-BF16/AMX for
 bfloat16, AVX512-FP16/AMX-FP16 for float16; on a GPU, bfloat16 before Ampere) is refused rather
 than emulated: emulation is several times slower than fp32, which is never what someone asking
-for half precision wants.
+for half precision wants. `auto` on such a checkpoint falls back instead, as vLLM's does.
 """
+
+import logging
 
 import torch
 
 from serving.model.device import CPU
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -22,14 +26,34 @@ class UnsupportedDtypeError(ValueError):
 def resolve_dtype(
     name: str, checkpoint_dtype: str | None, device: torch.device = CPU
 ) -> torch.dtype:
-    """`auto` is the checkpoint's `dtype` (`torch_dtype` in older configs), fp32 if unset."""
-    if name == "auto":
+    """`auto` is the checkpoint's `dtype` (`torch_dtype` in older configs), fp32 if unset.
+
+    As vLLM's `auto`: where the device has no native matmul for the checkpoint's dtype, it
+    computes in float16 on a GPU and float32 on a CPU instead, and says so in a warning (a
+    bf16 checkpoint still serves on a CPU without AVX512-BF16). A dtype named explicitly is
+    refused instead."""
+    explicit = name != "auto"
+    if not explicit:
         name = checkpoint_dtype or "float32"
     if name not in DTYPES:
         raise UnsupportedDtypeError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
     dtype = DTYPES[name]
-    check_supported(dtype, device)
-    return dtype
+    if is_supported(dtype, device):
+        return dtype
+    where = "GPU" if device.type == "cuda" else "CPU"
+    if explicit:
+        raise UnsupportedDtypeError(
+            f"--dtype {name}: this {where} has no native {name} matmul; use another --dtype"
+        )
+    fallback = torch.float16 if device.type == "cuda" else torch.float32
+    logger.warning(
+        "--dtype auto: the checkpoint is %s, which this %s has no native matmul for; "
+        "computing in %s",
+        name,
+        where,
+        str(fallback).removeprefix("torch."),
+    )
+    return fallback
 
 
 def resolve_kv_cache_dtype(
@@ -39,18 +63,11 @@ def resolve_kv_cache_dtype(
     return model_dtype if name == "auto" else resolve_dtype(name, None, device)
 
 
-def check_supported(dtype: torch.dtype, device: torch.device = CPU) -> None:
+def is_supported(dtype: torch.dtype, device: torch.device = CPU) -> bool:
     if device.type == "cuda":
-        supported = dtype != torch.bfloat16 or torch.cuda.is_bf16_supported(False)
-    else:
-        supported = {
-            torch.float32: True,
-            torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-            torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported(),
-        }[dtype]
-    if not supported:
-        name = str(dtype).removeprefix("torch.")
-        where = "GPU" if device.type == "cuda" else "CPU"
-        raise UnsupportedDtypeError(
-            f"--dtype {name}: this {where} has no native {name} matmul; use another --dtype"
-        )
+        return dtype != torch.bfloat16 or torch.cuda.is_bf16_supported(False)
+    return {
+        torch.float32: True,
+        torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported(),
+    }[dtype]

@@ -7,6 +7,7 @@ distribution the same way: the engine's sampler and speculative verification sha
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,7 +20,10 @@ class SamplingParams:
     `logprobs=None` returns no logprobs, `0` only the chosen token's, `k` also the top k.
     `json_object` constrains the output to a JSON object (`response_format` json_object);
     `tool_names` to exactly one tool call to one of those functions (`tool_choice`
-    "required" or a named function), in the chat template's `<tool_call>` form.
+    "required" or a named function), in the chat template's `<tool_call>` form; with
+    `tool_call_optional` (`tool_choice` "auto") to text in which each call that starts
+    is such a call; `tool_parameters` (name -> parameter schema) holds a call's arguments to
+    its function's declared keys.
     """
 
     max_tokens: int = 16
@@ -42,6 +46,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     json_object: bool = False
     tool_names: list[str] | None = None
+    tool_call_optional: bool = False
+    tool_parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:

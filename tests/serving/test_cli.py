@@ -40,6 +40,7 @@ def test_prompt_too_long(random_checkpoint: Path, capsys: pytest.CaptureFixture)
     assert e.value.code == 2 and "maximum context length" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("any_dtype_native")
 def test_generate_in_bfloat16(random_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
     args = [*GENERATE, str(random_checkpoint), "--max-tokens", "3"]
     main([*args, "--dtype", "bfloat16", "--kv-cache-dtype", "auto", "def main():"])

@@ -148,6 +148,24 @@ def test_tool_choice_without_tools_is_fine_when_optional() -> None:
     assert chat(tool_choice="auto", tools=[TOOL]).tools[0].function.name == "f"
 
 
+@pytest.mark.parametrize(
+    ("fields", "names", "optional"),
+    [
+        ({"tools": [TOOL]}, ["f"], True),  # no tool_choice with tools: "auto"
+        ({"tools": [TOOL], "tool_choice": "auto"}, ["f"], True),
+        ({"tools": [TOOL], "tool_choice": "required"}, ["f"], False),
+        ({"tools": [TOOL], "tool_choice": {"function": {"name": "f"}}}, ["f"], False),
+        ({"tools": [TOOL], "tool_choice": "none"}, None, False),
+        ({"tools": [TOOL], "response_format": {"type": "json_object"}}, None, False),
+        ({}, None, False),
+    ],
+)
+def test_tool_choice_sets_the_tool_call_constraint(fields: dict, names, optional) -> None:
+    params = chat(**fields).to_sampling_params(16, {})
+    assert (params.tool_names, params.tool_call_optional) == (names, optional)
+    assert params.tool_parameters == ({"f": {"type": "object"}} if "tools" in fields else {})
+
+
 @pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
 def test_completion_prompt_forms(prompt) -> None:
     assert completion(prompt=prompt).prompt == prompt

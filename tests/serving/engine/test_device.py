@@ -41,12 +41,25 @@ def test_auto_is_the_cpu_without_cuda_and_cuda_with_it(monkeypatch):
     assert resolve_device("cuda") == torch.device("cuda")
 
 
-def test_a_gpu_without_bfloat16_refuses_it(monkeypatch):
+def test_a_gpu_without_bfloat16_refuses_it_unless_auto_falls_back(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     cuda = torch.device("cuda")
     with pytest.raises(UnsupportedDtypeError, match="this GPU has no native bfloat16"):
-        resolve_dtype("auto", "bfloat16", cuda)
+        resolve_dtype("bfloat16", "float32", cuda)
     assert resolve_dtype("float16", "bfloat16", cuda) == torch.float16
+    assert resolve_dtype("auto", "bfloat16", cuda) == torch.float16  # vLLM's fallback
+    assert "checkpoint is bfloat16" in caplog.text and "computing in float16" in caplog.text
+
+
+def test_a_cpu_without_bfloat16_serves_a_bfloat16_checkpoint_in_float32(monkeypatch, caplog):
+    """The shipped models are bf16; a CPU without AVX512-BF16 still serves them (`auto`)."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    with pytest.raises(UnsupportedDtypeError, match="this CPU has no native bfloat16"):
+        resolve_dtype("bfloat16", "bfloat16")
+    assert resolve_dtype("auto", "bfloat16") == torch.float32
+    assert "computing in float32" in caplog.text
+    engine = LLMEngine.from_checkpoint(TARGET, EngineConfig(dtype="auto"))
+    assert engine.model.embed_tokens.weight.dtype == torch.float32
 
 
 def test_the_kv_cache_gets_the_share_the_weights_leave(monkeypatch):

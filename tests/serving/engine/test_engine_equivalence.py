@@ -83,7 +83,9 @@ def test_bfloat16_matches_transformers_in_bfloat16(ckpt):
     nearly every step, and a swap only within that step's bf16 error.
     """
     ps = prompts(6, TINY_MOE["vocab_size"], seed=3)
-    engine = LLMEngine(load_checkpoint(ckpt, "bfloat16"), EngineConfig(), eos_token_ids=[])
+    # A torch dtype, not `--dtype bfloat16`: the numerics hold where bf16 is emulated too,
+    # and the name is refused on a CPU without native bf16 (`serving/model/dtype.py`).
+    engine = LLMEngine(load_checkpoint(ckpt, torch.bfloat16), EngineConfig(), eos_token_ids=[])
     assert engine.runner.model.embed_tokens.weight.dtype == torch.bfloat16
     assert engine.runner.model.layers[0].self_attn.k_cache.dtype == torch.bfloat16
     outs = engine.generate(

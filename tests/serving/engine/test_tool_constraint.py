@@ -1,18 +1,29 @@
-"""tool_choice "required" / named as constrained decoding: the forced-call validator, the
-constraint over the random checkpoint's tokenizer, and the engine end to end."""
+"""Tool calls as constrained decoding: tool_choice "required" / named (one forced call) and
+"auto" (optional calls, each held to the grammar): the validators, the constraints over the
+random checkpoint's tokenizer, and the engine end to end."""
 
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
+from serving.api_server.api_server import build_app
+from serving.engine.async_engine import AsyncEngine
 from serving.engine.json_validator import MAX_WHITESPACE
 from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine
 from serving.engine.token_vocabulary import json_vocabulary
-from serving.engine.tool_constraint import ToolCallConstraint, ToolCallValidator, call_head
+from serving.engine.tool_constraint import (
+    OptionalToolCallConstraint,
+    OptionalToolCallValidator,
+    ToolCallConstraint,
+    ToolCallValidator,
+    call_head,
+)
 from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import Tokenizer
 from serving.model.tool_calls import parse_tool_calls
+from tests import REPO
 
 NAMES = ["get_weather", "get_time", "météo"]
 VALID = [
@@ -127,3 +138,183 @@ def test_forced_call_and_json_object_are_exclusive(engine: LLMEngine) -> None:
         engine.validate([1, 2], both)
     with pytest.raises(EngineInputError, match="at least one"):
         engine.validate([1, 2], SamplingParams(tool_names=[]))
+
+
+# -- parameter schemas: the arguments keep to the declared keys -------------------------------
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "options": {"type": "object"},
+        "units": {"enum": ["C", "F"]},
+    },
+    "required": ["city"],
+}
+HEAD = '<tool_call>\n{"name": "get_weather", "arguments": '
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"city": "Paris"}',
+        '{ "days" : -3, "city": "Rome", "units": "C"}',
+        '{"city": "x", "options": {"city": 1, "other": [true]}}',  # nested keys are free
+    ],
+)
+def test_arguments_with_declared_keys_are_accepted(arguments: str) -> None:
+    v = ToolCallValidator(NAMES, {"get_weather": WEATHER})
+    v.advance((HEAD + arguments + "}\n</tool_call>").encode())
+    assert v.complete
+
+
+@pytest.mark.parametrize(
+    ("ok", "rest"),
+    [
+        ('{"', 'town": "Paris"}'),  # undeclared key
+        ('{"city', '_name": 1}'),
+        ('{"days": 3', "}"),  # "city" is required
+        ("{", "}"),
+        ('{"city": ', "5}"),  # a string
+        ('{"days": ', '"3"}'),  # an integer
+        ('{"city": "a", "', 'city": "b"}'),  # each key once: "c" starts no key left
+        ('{"city": "a", "days": 1, "options": {}, "units": "F"', ', "x": 1}'),  # none left
+    ],
+)
+def test_arguments_outside_the_schema_are_rejected_at_the_first_bad_byte(
+    ok: str, rest: str
+) -> None:
+    v = ToolCallValidator(NAMES, {"get_weather": WEATHER})
+    v.advance(HEAD.encode())
+    good = ok.encode()
+    bad = (ok + rest).encode()[: len(good) + 1]
+    assert v.accepts(good) and not v.accepts(bad)
+    other = ToolCallValidator(NAMES)  # no schema: any keys
+    other.advance(HEAD.encode())
+    assert other.accepts(bad)
+
+
+def test_open_schemas_leave_the_keys_free() -> None:
+    for schema in [{"type": "object"}, {**WEATHER, "additionalProperties": True}, {}]:
+        v = ToolCallValidator(NAMES, {"get_weather": schema})
+        assert v.accepts((HEAD + '{"anything": 1}}\n</tool_call>').encode())
+
+
+def test_schema_mask_is_exactly_the_allowed_tokens(tokenizer: Tokenizer) -> None:
+    """Inside a key plain string tokens are not all allowed: the mask walks them too."""
+    raw = tokenizer.raw
+    vocab = json_vocabulary(raw)
+    eos = raw.token_to_id("<|im_end|>")
+    constraint = ToolCallConstraint(vocab, [eos], NAMES, {"get_weather": WEATHER})
+    for token in raw.encode(HEAD + '{"days": 2, "city": "Paris"}}\n</tool_call>').ids:
+        mask = constraint.allowed_mask(len(vocab))
+        assert mask.tolist() == [constraint.allows(t) for t in range(len(vocab))]
+        assert mask[token]
+        constraint.advance(token)
+    assert constraint.complete
+
+
+# -- tool_choice "auto": calls are optional, but each one that starts is held to the grammar --
+
+TEXT_AND_CALLS = [
+    "The weather in Paris is mild.",
+    "a <tool_ b <tool_call",  # a partial tag in text is text
+    "Let me look.\n" + VALID[0] + "\n" + VALID[1] + "\nDone.",
+    "<think>which tool?</think>\n" + VALID[2],
+]
+
+
+@pytest.mark.parametrize("text", TEXT_AND_CALLS)
+def test_text_and_calls_to_offered_functions_are_accepted(text: str) -> None:
+    data = text.encode()
+    for i in range(len(data) + 1):
+        v = OptionalToolCallValidator(NAMES)
+        assert v.accepts(data[:i]), data[:i]
+        v.advance(data[:i])
+        assert not v.complete  # nothing ever forces the end
+    assert v.in_text == text.endswith(("</tool_call>", ".", "call"))
+
+
+@pytest.mark.parametrize(
+    ("ok", "rest"),
+    [
+        ("Sure. <tool_call>", ' {"name"'),
+        ('Sure. <tool_call>\n{"name": "get_', 'current_weather"'),  # not offered
+        ("x" + VALID[1][:-3], "x"),
+    ],
+)
+def test_a_call_that_starts_must_follow_the_grammar(ok: str, rest: str) -> None:
+    v = OptionalToolCallValidator(NAMES)
+    bad = (ok + rest).encode()[: len(ok.encode()) + 1]
+    assert v.accepts(ok.encode()) and not v.accepts(bad)
+
+
+def test_optional_mask_is_exactly_the_allowed_tokens(tokenizer: Tokenizer) -> None:
+    """Outside a call every token may come, EOS and special tokens too; inside, neither."""
+    raw = tokenizer.raw
+    vocab = json_vocabulary(raw)
+    eos = raw.token_to_id("<|im_end|>")
+    special = raw.token_to_id("<|im_start|>")
+    constraint = OptionalToolCallConstraint(vocab, [eos], NAMES)
+    for token in raw.encode("Checking. " + VALID[0]).ids:
+        mask = constraint.allowed_mask(len(vocab) + 3)
+        expected = [constraint.allows(t) for t in range(len(vocab))]
+        assert mask[: len(vocab)].tolist() == expected and not mask[len(vocab) :].any()
+        assert mask[token] and mask[eos] == mask[special] == constraint.validator.in_text
+        constraint.advance(token)
+    assert constraint.validator.in_text and constraint.allows(eos) and not constraint.complete
+
+
+def test_engine_holds_optional_calls_to_the_offered_names(engine: LLMEngine) -> None:
+    """Sampled freely from the random model, each output is text whose calls (if any) name
+    an offered function (it rarely opens one: the shipped model's test is below)."""
+    chat = "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n"
+    names = ["get_time"]
+    params = [
+        SamplingParams(
+            max_tokens=120, temperature=1.0, seed=s, tool_names=names, tool_call_optional=True
+        )
+        for s in range(6)
+    ]
+    outputs = engine.generate([engine.tokenizer.encode(chat)] * 6, params)
+    for [out] in outputs:
+        assert OptionalToolCallValidator(names).accepts(out.text.encode())
+
+
+async def test_auto_tool_choice_calls_an_offered_function_of_an_unseen_schema() -> None:
+    """The shipped full tier, asked for the weather with a schema it never saw
+    (`get_current_weather(location)`), calls `get_weather`, a bank function it knows, when
+    unconstrained; with tool_choice "auto" held to the offered names it calls the offered
+    one, through the OpenAI app, greedy."""
+    engine = AsyncEngine(LLMEngine.from_checkpoint(REPO / "models" / "demo-full", EngineConfig()))
+    assert engine.engine.tokenizer is not None
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_current_weather",
+            "description": "Get the current weather in a given location",
+            "parameters": {
+                "type": "object",
+                "properties": {"location": {"type": "string", "description": "City name"}},
+                "required": ["location"],
+            },
+        },
+    }
+    body = {
+        "model": "full",
+        "messages": [{"role": "user", "content": "What's the weather like in Paris?"}],
+        "tools": [weather],
+        "temperature": 0,
+        "max_tokens": 200,
+    }
+    try:
+        app = build_app(engine, engine.engine.tokenizer, "full")
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            reply = (await client.post("/v1/chat/completions", json=body)).json()
+    finally:
+        engine.stop()
+    [call] = reply["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_current_weather"
+    assert isinstance(json.loads(call["function"]["arguments"]), dict)

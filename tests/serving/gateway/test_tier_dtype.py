@@ -17,6 +17,7 @@ def _config(model: Path, dtype: str) -> GatewayConfig:
     return GatewayConfig.model_validate({"tiers": {"full": tier, "highspeed": fast}})
 
 
+@pytest.mark.usefixtures("any_dtype_native")
 def test_tier_dtype_is_passed_to_the_engine(random_checkpoint: Path) -> None:
     config = _config(random_checkpoint, "bfloat16")
     check_checkpoints(config)

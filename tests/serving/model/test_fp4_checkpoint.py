@@ -225,6 +225,7 @@ async def test_tier_server_answers_from_an_fp4_checkpoint(random_checkpoint, tmp
     assert answers[0]["content"] and answers[0] == answers[1]
 
 
+@pytest.mark.usefixtures("any_dtype_native")  # `auto` keeps bf16 only where it is native
 def test_quantize_stores_the_full_precision_rest_in_the_dtype_asked(full, quantized, tmp_path):
     """A QAT export quantizes from its fp32 latent but ships embeddings, norms and routers in
     bf16, like every shipped model; by default the source's dtype is kept."""
