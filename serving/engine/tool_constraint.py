@@ -67,6 +67,8 @@ class ToolCallValidator(ByteValidator):
     parameter schema, its arguments keep to the declared keys (`tool_arguments`).
     """
 
+    initial_state: tuple[int, Any] = (_HEAD, b"")
+
     def __init__(
         self,
         names: Iterable[str],
@@ -82,7 +84,7 @@ class ToolCallValidator(ByteValidator):
         self._heads = {call_head(name): shapes.get(name) for name in self.names}
         self._head_prefixes = _prefixes(self._heads)
         self._tail_prefixes = _prefixes([_TAIL_BYTES])
-        self.state: tuple[int, Any] = (_HEAD, b"")
+        self.state: tuple[int, Any] = self.initial_state
 
     def step(self, state: tuple[int, Any], c: int) -> tuple[int, Any] | None:
         segment, inner = state
@@ -141,6 +143,8 @@ class ToolCallConstraint(JsonObjectConstraint):
     """JsonObjectConstraint's rules (only EOS once complete, never special tokens) for one
     forced call to one of `names` instead of a bare JSON object."""
 
+    validator_class: type[ToolCallValidator] = ToolCallValidator
+
     def __init__(
         self,
         vocab: Vocabulary,
@@ -149,7 +153,7 @@ class ToolCallConstraint(JsonObjectConstraint):
         parameters: Mapping[str, Mapping[str, Any]] | None = None,
     ):
         super().__init__(vocab, eos_token_ids)
-        self.validator = ToolCallValidator(names, parameters)
+        self.validator = self.validator_class(names, parameters)
 
 
 class OptionalToolCallValidator(ToolCallValidator):
@@ -159,14 +163,7 @@ class OptionalToolCallValidator(ToolCallValidator):
     its trigger: a model may still answer in words, but never calls a function the request
     did not offer or writes arguments the parser cannot read."""
 
-    def __init__(
-        self,
-        names: Iterable[str],
-        parameters: Mapping[str, Mapping[str, Any]] | None = None,
-        max_whitespace: int = MAX_WHITESPACE,
-    ) -> None:
-        super().__init__(names, parameters, max_whitespace)
-        self.state = (_TEXT, 0)  # inner: bytes of `<tool_call>` matched so far
+    initial_state = (_TEXT, 0)  # inner: bytes of `<tool_call>` matched so far
 
     def step(self, state: tuple[int, Any], c: int) -> tuple[int, Any] | None:
         segment, inner = state
@@ -188,20 +185,12 @@ class OptionalToolCallValidator(ToolCallValidator):
         return False  # nothing is owed once a call closes: EOS ends the output as usual
 
 
-class OptionalToolCallConstraint(JsonObjectConstraint):
+class OptionalToolCallConstraint(ToolCallConstraint):
     """OptionalToolCallValidator's language; outside calls every token may come, EOS and
     special tokens (`<think>`) included, and nothing forces the output to end."""
 
-    def __init__(
-        self,
-        vocab: Vocabulary,
-        eos_token_ids: Iterable[int],
-        names: Iterable[str],
-        parameters: Mapping[str, Mapping[str, Any]] | None = None,
-    ):
-        super().__init__(vocab, eos_token_ids)
-        self.validator: OptionalToolCallValidator = OptionalToolCallValidator(names, parameters)
-        self._no_bytes = [i for i, data in enumerate(vocab.token_bytes) if not data]
+    validator_class = OptionalToolCallValidator
+    validator: OptionalToolCallValidator
 
     def allows(self, token_id: int) -> bool:
         if token_id >= len(self.vocab):
@@ -217,6 +206,7 @@ class OptionalToolCallConstraint(JsonObjectConstraint):
 
     def allowed_mask(self, vocab_size: int) -> torch.Tensor:
         mask = super().allowed_mask(vocab_size)
-        if self.validator.in_text:
-            mask[[i for i in self._no_bytes if i < vocab_size]] = True
+        if self.validator.in_text:  # and the tokens of no bytes: EOS, special tokens
+            no_bytes = [i for i, data in enumerate(self.vocab.token_bytes[:vocab_size]) if not data]
+            mask[no_bytes] = True
         return mask
