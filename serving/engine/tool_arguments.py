@@ -1,8 +1,9 @@
 """A function's parameter schema as a constraint on the arguments of a call to it, in the
 spirit of xgrammar's strict mode (which vLLM's structured outputs use for forced calls): the
 top-level keys are the declared properties, each at most once, the required ones all
-present before the object closes, and each value starts as its declared JSON type allows.
-Deeper structure, string contents and enums are left to the model.
+present before the object closes; each value starts as its declared JSON type allows, an
+`integer` has no fraction or exponent, and an `enum` of strings is one of them. Deeper
+structure and other string contents are left to the model.
 
 Checked byte by byte alongside the JSON automaton (`json_validator._step`): `step_keys`
 sees each byte with the JSON states before and after it, and keeps (keys used, bytes of the
@@ -14,7 +15,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from serving.engine.json_validator import _COLON, _DONE, _KEY, _OBJECT_FIRST, _VALUE
+from serving.engine.json_validator import (
+    _AFTER,
+    _COLON,
+    _DONE,
+    _EXP,
+    _KEY,
+    _MINUS,
+    _OBJECT_FIRST,
+    _VALUE,
+)
 
 # The bytes a value of each JSON Schema type may start with.
 _FIRST_BYTES = {
@@ -28,9 +38,37 @@ _FIRST_BYTES = {
 }
 _WHITESPACE = frozenset(b" \t\n\r")
 
-# (keys used, bytes of the key being written or None, the key whose value comes next or None)
-KeysState = tuple[frozenset[bytes], bytes | None, bytes | None]
-INITIAL_KEYS: KeysState = (frozenset(), None, None)
+# (keys used, bytes of the key being written or None, the key whose value is being written
+# or None, the bytes of that value so far where its schema lists string values, else None)
+KeysState = tuple[frozenset[bytes], bytes | None, bytes | None, bytes | None]
+INITIAL_KEYS: KeysState = (frozenset(), None, None, None)
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """What a top-level value's schema checks: the bytes it may start with (its `type`s), for
+    an `integer` no fraction or exponent, and for an `enum` of strings one of them exactly
+    (their JSON encodings, quotes included)."""
+
+    first_bytes: bytes | None
+    integer: bool
+    enum: tuple[bytes, ...] | None
+
+    @classmethod
+    def from_schema(cls, spec: Any) -> "ValueSpec | None":
+        if not isinstance(spec, dict):
+            return None
+        types = spec.get("type")
+        types = [types] if isinstance(types, str) else types
+        first = None
+        if isinstance(types, list) and all(t in _FIRST_BYTES for t in types):
+            first = b"".join(_FIRST_BYTES[t] for t in types)
+        enum = spec.get("enum")
+        strings = None
+        if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+            strings = tuple(json.dumps(v, ensure_ascii=False).encode() for v in enum)
+        value = cls(first, types == ["integer"], strings)
+        return None if value == cls(None, False, None) else value
 
 
 @dataclass(frozen=True)
@@ -40,7 +78,7 @@ class ArgumentKeys:
 
     keys: frozenset[bytes]
     required: frozenset[bytes]
-    first_bytes: tuple[tuple[bytes, bytes], ...]  # (key, bytes its value may start with)
+    values: tuple[tuple[bytes, ValueSpec], ...]  # (key, what its value must be)
 
     @classmethod
     def from_schema(cls, schema: Mapping[str, Any] | None) -> "ArgumentKeys | None":
@@ -55,39 +93,53 @@ class ArgumentKeys:
         def encode(key: str) -> bytes:
             return json.dumps(key, ensure_ascii=False)[1:-1].encode()
 
-        first = []
+        values = []
         for key, spec in properties.items():
-            types = spec.get("type") if isinstance(spec, dict) else None
-            types = [types] if isinstance(types, str) else types
-            if isinstance(types, list) and all(t in _FIRST_BYTES for t in types):
-                first.append((encode(key), b"".join(_FIRST_BYTES[t] for t in types)))
+            value = ValueSpec.from_schema(spec)
+            if value is not None:
+                values.append((encode(key), value))
         required = [k for k in schema.get("required", []) if k in properties]
         return cls(
-            frozenset(map(encode, properties)), frozenset(map(encode, required)), tuple(first)
+            frozenset(map(encode, properties)), frozenset(map(encode, required)), tuple(values)
         )
 
     def step_keys(self, keys: KeysState, before: tuple, after: tuple, c: int) -> KeysState | None:
         """The keys' state after byte c took the JSON automaton from `before` to `after`
         (both valid), or None if the schema forbids c there."""
-        used, key, value_of = keys
-        if before[1] != "{":  # below the top level: nothing to check
+        used, key, value_of, written = keys
+        if before[1] != "{":  # below the top level (inside a value): nothing to check
             return keys
         if key is not None:  # inside a top-level key
             if after[0] == _COLON:  # its closing quote
-                return (used | {key}, None, key) if key in self.keys - used else None
+                return (used | {key}, None, key, None) if key in self.keys - used else None
             key += bytes((c,))
-            return (used, key, None) if any(k.startswith(key) for k in self.keys - used) else None
+            if not any(k.startswith(key) for k in self.keys - used):
+                return None
+            return used, key, None, None
         mode = before[0]
         if mode in (_OBJECT_FIRST, _KEY) and c == 0x22:  # a key opens
-            return (used, b"", None) if self.keys - used else None
+            return (used, b"", None, None) if self.keys - used else None
         if after[0] == _DONE:  # the object closes
-            return keys if self.required <= used else None
+            return (used, None, None, None) if self.required <= used else None
         if c == 0x2C and after[0] == _KEY:  # "," before another key
-            return keys if self.keys - used else None
-        if mode == _VALUE and value_of is not None and c not in _WHITESPACE:
-            allowed = next((b for k, b in self.first_bytes if k == value_of), None)
-            return None if allowed is not None and c not in allowed else (used, None, None)
-        return keys
+            return (used, None, None, None) if self.keys - used else None
+        value = next((v for k, v in self.values if k == value_of), None)
+        if value is None or (mode == _VALUE and c in _WHITESPACE):
+            return keys
+        if mode == _VALUE:  # the value's first byte
+            if value.first_bytes is not None and c not in value.first_bytes:
+                return None
+            written = b""
+        elif value.integer and _MINUS <= mode <= _EXP and c in b".eE":
+            return None
+        if value.enum is None or written is None:
+            return keys if mode != _VALUE else (used, None, value_of, None)
+        written += bytes((c,))
+        if after[0] == _AFTER:  # the string closed
+            return (used, None, None, None) if written in value.enum else None
+        if not any(v.startswith(written) for v in value.enum):
+            return None
+        return used, None, value_of, written
 
 
 def argument_keys(parameters: Mapping[str, Mapping[str, Any]]) -> dict[str, ArgumentKeys]:

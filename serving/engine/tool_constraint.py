@@ -128,8 +128,9 @@ class ToolCallValidator(ByteValidator):
         segment, inner = self.state
         if segment != _ARGS or inner[0][0] != _STRING:
             return None
-        if inner[3] is not None and inner[3][1] is not None:  # a key: only declared ones
-            return None
+        keys = inner[3]
+        if keys is not None and (keys[1] is not None or keys[3] is not None):
+            return None  # a key, or a value from an enum: only their bytes may follow
         return _CALL_END_BYTES[inner[1] :] if inner[1] else b""  # they would end the call
 
     @property

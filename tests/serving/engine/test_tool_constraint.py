@@ -161,6 +161,7 @@ HEAD = '<tool_call>\n{"name": "get_weather", "arguments": '
         '{"city": "Paris"}',
         '{ "days" : -3, "city": "Rome", "units": "C"}',
         '{"city": "x", "options": {"city": 1, "other": [true]}}',  # nested keys are free
+        '{"units": "F", "city": "\\"Z\\"", "days": 12}',
     ],
 )
 def test_arguments_with_declared_keys_are_accepted(arguments: str) -> None:
@@ -178,6 +179,9 @@ def test_arguments_with_declared_keys_are_accepted(arguments: str) -> None:
         ("{", "}"),
         ('{"city": ', "5}"),  # a string
         ('{"days": ', '"3"}'),  # an integer
+        ('{"days": 3', ".5}"),  # ... without a fraction
+        ('{"units": "', 'K"}'),  # one of the enum
+        ('{"units": "C', 'elsius"}'),
         ('{"city": "a", "', 'city": "b"}'),  # each key once: "c" starts no key left
         ('{"city": "a", "days": 1, "options": {}, "units": "F"', ', "x": 1}'),  # none left
     ],
@@ -202,12 +206,14 @@ def test_open_schemas_leave_the_keys_free() -> None:
 
 
 def test_schema_mask_is_exactly_the_allowed_tokens(tokenizer: Tokenizer) -> None:
-    """Inside a key plain string tokens are not all allowed: the mask walks them too."""
+    """Inside a key or an enum's value plain string tokens are not all allowed: the mask
+    walks them too."""
     raw = tokenizer.raw
     vocab = json_vocabulary(raw)
     eos = raw.token_to_id("<|im_end|>")
     constraint = ToolCallConstraint(vocab, [eos], NAMES, {"get_weather": WEATHER})
-    for token in raw.encode(HEAD + '{"days": 2, "city": "Paris"}}\n</tool_call>').ids:
+    text = HEAD + '{"days": 2, "units": "C", "city": "Paris"}}\n</tool_call>'
+    for token in raw.encode(text).ids:
         mask = constraint.allowed_mask(len(vocab))
         assert mask.tolist() == [constraint.allows(t) for t in range(len(vocab))]
         assert mask[token]
