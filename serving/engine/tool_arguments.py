@@ -1,13 +1,13 @@
 """A function's parameter schema as a constraint on the arguments of a call to it, in the
 spirit of xgrammar's strict mode (which vLLM's structured outputs use for forced calls): the
-top-level keys are the declared properties, each at most once, the required ones all
-present before the object closes; each value starts as its declared JSON type allows, an
+top-level keys are the declared properties in their declared order, optional ones skippable
+and required ones not; each value starts as its declared JSON type allows, an
 `integer` has no fraction or exponent, and an `enum` of strings is one of them. Deeper
 structure and other string contents are left to the model.
 
 Checked byte by byte alongside the JSON automaton (`json_validator._step`): `step_keys`
-sees each byte with the JSON states before and after it, and keeps (keys used, bytes of the
-key being written) as its own immutable state.
+sees each byte with the JSON states before and after it, and keeps `KeysState` (where in the
+declared order it is, the key or value being written) as its own immutable state.
 """
 
 import json
@@ -38,10 +38,11 @@ _FIRST_BYTES = {
 }
 _WHITESPACE = frozenset(b" \t\n\r")
 
-# (keys used, bytes of the key being written or None, the key whose value is being written
-# or None, the bytes of that value so far where its schema lists string values, else None)
-KeysState = tuple[frozenset[bytes], bytes | None, bytes | None, bytes | None]
-INITIAL_KEYS: KeysState = (frozenset(), None, None, None)
+# (index in the declared order of the last key written, -1 before any; bytes of the key being
+# written or None; the key whose value is being written or None; the bytes of that value so
+# far where its schema lists string values, else None)
+KeysState = tuple[int, bytes | None, bytes | None, bytes | None]
+INITIAL_KEYS: KeysState = (-1, None, None, None)
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,11 @@ class ValueSpec:
 
 @dataclass(frozen=True)
 class ArgumentKeys:
-    """What a function's schema allows at the top level of its arguments object. Keys are
-    the bytes between their quotes, as `json.dumps` writes them."""
+    """What a function's schema allows at the top level of its arguments object: its keys in
+    their declared order (as xgrammar writes them), optional ones skippable, required ones
+    not. Keys are the bytes between their quotes, as `json.dumps` writes them."""
 
-    keys: frozenset[bytes]
+    order: tuple[bytes, ...]
     required: frozenset[bytes]
     values: tuple[tuple[bytes, ValueSpec], ...]  # (key, what its value must be)
 
@@ -99,30 +101,41 @@ class ArgumentKeys:
             if value is not None:
                 values.append((encode(key), value))
         required = [k for k in schema.get("required", []) if k in properties]
-        return cls(
-            frozenset(map(encode, properties)), frozenset(map(encode, required)), tuple(values)
-        )
+        return cls(tuple(map(encode, properties)), frozenset(map(encode, required)), tuple(values))
+
+    def next_keys(self, last: int) -> tuple[bytes, ...]:
+        """The keys that may follow the key at index `last`: the later ones, up to and
+        including the first required one."""
+        rest = self.order[last + 1 :]
+        for i, key in enumerate(rest):
+            if key in self.required:
+                return rest[: i + 1]
+        return rest
 
     def step_keys(self, keys: KeysState, before: tuple, after: tuple, c: int) -> KeysState | None:
         """The keys' state after byte c took the JSON automaton from `before` to `after`
         (both valid), or None if the schema forbids c there."""
-        used, key, value_of, written = keys
+        last, key, value_of, written = keys
         if before[1] != "{":  # below the top level (inside a value): nothing to check
             return keys
         if key is not None:  # inside a top-level key
             if after[0] == _COLON:  # its closing quote
-                return (used | {key}, None, key, None) if key in self.keys - used else None
+                if key not in self.next_keys(last):
+                    return None
+                return self.order.index(key), None, key, None
             key += bytes((c,))
-            if not any(k.startswith(key) for k in self.keys - used):
+            if not any(k.startswith(key) for k in self.next_keys(last)):
                 return None
-            return used, key, None, None
+            return last, key, None, None
         mode = before[0]
         if mode in (_OBJECT_FIRST, _KEY) and c == 0x22:  # a key opens
-            return (used, b"", None, None) if self.keys - used else None
+            return (last, b"", None, None) if self.next_keys(last) else None
         if after[0] == _DONE:  # the object closes
-            return (used, None, None, None) if self.required <= used else None
+            if self.required & set(self.order[last + 1 :]):
+                return None
+            return last, None, None, None
         if c == 0x2C and after[0] == _KEY:  # "," before another key
-            return (used, None, None, None) if self.keys - used else None
+            return (last, None, None, None) if self.next_keys(last) else None
         value = next((v for k, v in self.values if k == value_of), None)
         if value is None or (mode == _VALUE and c in _WHITESPACE):
             return keys
@@ -133,13 +146,13 @@ class ArgumentKeys:
         elif value.integer and _MINUS <= mode <= _EXP and c in b".eE":
             return None
         if value.enum is None or written is None:
-            return keys if mode != _VALUE else (used, None, value_of, None)
+            return keys if mode != _VALUE else (last, None, value_of, None)
         written += bytes((c,))
         if after[0] == _AFTER:  # the string closed
-            return (used, None, None, None) if written in value.enum else None
+            return (last, None, None, None) if written in value.enum else None
         if not any(v.startswith(written) for v in value.enum):
             return None
-        return used, None, value_of, written
+        return last, None, value_of, written
 
 
 def argument_keys(parameters: Mapping[str, Mapping[str, Any]]) -> dict[str, ArgumentKeys]:

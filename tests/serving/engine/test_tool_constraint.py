@@ -159,12 +159,13 @@ HEAD = '<tool_call>\n{"name": "get_weather", "arguments": '
     "arguments",
     [
         '{"city": "Paris"}',
-        '{ "days" : -3, "city": "Rome", "units": "C"}',
+        '{"city": "Rome", "days" : -3, "units": "C"}',
+        '{ "city": "Oslo" , "units": "F"}',  # optional keys may be skipped
         '{"city": "x", "options": {"city": 1, "other": [true]}}',  # nested keys are free
-        '{"units": "F", "city": "\\"Z\\"", "days": 12}',
+        '{"city": "\\"Z\\"", "days": 12, "options": {}}',
     ],
 )
-def test_arguments_with_declared_keys_are_accepted(arguments: str) -> None:
+def test_arguments_with_declared_keys_in_order_are_accepted(arguments: str) -> None:
     v = ToolCallValidator(NAMES, {"get_weather": WEATHER})
     v.advance((HEAD + arguments + "}\n</tool_call>").encode())
     assert v.complete
@@ -175,14 +176,15 @@ def test_arguments_with_declared_keys_are_accepted(arguments: str) -> None:
     [
         ('{"', 'town": "Paris"}'),  # undeclared key
         ('{"city', '_name": 1}'),
-        ('{"days": 3', "}"),  # "city" is required
+        ('{"', 'days": 3}'),  # "city" is required, and declared first
         ("{", "}"),
         ('{"city": ', "5}"),  # a string
-        ('{"days": ', '"3"}'),  # an integer
-        ('{"days": 3', ".5}"),  # ... without a fraction
-        ('{"units": "', 'K"}'),  # one of the enum
-        ('{"units": "C', 'elsius"}'),
-        ('{"city": "a", "', 'city": "b"}'),  # each key once: "c" starts no key left
+        ('{"city": "x", "days": ', '"3"}'),  # an integer
+        ('{"city": "x", "days": 3', ".5}"),  # ... without a fraction
+        ('{"city": "x", "units": "', 'K"}'),  # one of the enum
+        ('{"city": "x", "units": "C', 'elsius"}'),
+        ('{"city": "x", "options": {}, "', 'days": 1}'),  # in the declared order
+        ('{"city": "a", "', 'city": "b"}'),  # each key once
         ('{"city": "a", "days": 1, "options": {}, "units": "F"', ', "x": 1}'),  # none left
     ],
 )
@@ -212,7 +214,7 @@ def test_schema_mask_is_exactly_the_allowed_tokens(tokenizer: Tokenizer) -> None
     vocab = json_vocabulary(raw)
     eos = raw.token_to_id("<|im_end|>")
     constraint = ToolCallConstraint(vocab, [eos], NAMES, {"get_weather": WEATHER})
-    text = HEAD + '{"days": 2, "units": "C", "city": "Paris"}}\n</tool_call>'
+    text = HEAD + '{"city": "Paris", "days": 2, "units": "C"}}\n</tool_call>'
     for token in raw.encode(text).ids:
         mask = constraint.allowed_mask(len(vocab))
         assert mask.tolist() == [constraint.allows(t) for t in range(len(vocab))]
