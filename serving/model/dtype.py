@@ -7,6 +7,7 @@ than emulated: emulation is several times slower than fp32, which is never what 
 for half precision wants. `auto` on such a checkpoint falls back instead, as vLLM's does.
 """
 
+import functools
 import logging
 
 import torch
@@ -46,14 +47,20 @@ def resolve_dtype(
             f"--dtype {name}: this {where} has no native {name} matmul; use another --dtype"
         )
     fallback = torch.float16 if device.type == "cuda" else torch.float32
+    _warn_fallback(name, where, str(fallback).removeprefix("torch."))
+    return fallback
+
+
+@functools.cache
+def _warn_fallback(name: str, where: str, fallback: str) -> None:
+    """Once a process: the gateway resolves each tier's dtypes before its engines do."""
     logger.warning(
         "--dtype auto: the checkpoint is %s, which this %s has no native matmul for; "
         "computing in %s",
         name,
         where,
-        str(fallback).removeprefix("torch."),
+        fallback,
     )
-    return fallback
 
 
 def resolve_kv_cache_dtype(

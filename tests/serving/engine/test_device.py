@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import serving.model.dtype as dtype_module
 from serving.cli import build_parser, command_modules, main
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.gateway.config import GatewayConfig, GatewayConfigError, check_checkpoints
@@ -42,6 +43,7 @@ def test_auto_is_the_cpu_without_cuda_and_cuda_with_it(monkeypatch):
 
 
 def test_a_gpu_without_bfloat16_refuses_it_unless_auto_falls_back(monkeypatch, caplog):
+    dtype_module._warn_fallback.cache_clear()  # it warns once a process
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     cuda = torch.device("cuda")
     with pytest.raises(UnsupportedDtypeError, match="this GPU has no native bfloat16"):
@@ -53,6 +55,7 @@ def test_a_gpu_without_bfloat16_refuses_it_unless_auto_falls_back(monkeypatch, c
 
 def test_a_cpu_without_bfloat16_serves_a_bfloat16_checkpoint_in_float32(monkeypatch, caplog):
     """The shipped models are bf16; a CPU without AVX512-BF16 still serves them (`auto`)."""
+    dtype_module._warn_fallback.cache_clear()
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     with pytest.raises(UnsupportedDtypeError, match="this CPU has no native bfloat16"):
         resolve_dtype("bfloat16", "bfloat16")
