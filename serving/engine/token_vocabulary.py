@@ -51,9 +51,10 @@ class Vocabulary:
         self.token_bytes = token_bytes
         self.root = _Node()  # every token
         self.not_plain = _Node()  # every token that is not plain string content
-        plain = []
+        plain, byteless = [], []
         for i, data in enumerate(token_bytes):
             if not data:
+                byteless.append(i)
                 continue
             self.root.insert(data, i)
             if plain_string_content(data):
@@ -62,6 +63,9 @@ class Vocabulary:
                 self.not_plain.insert(data, i)
         self.plain = torch.zeros(len(token_bytes), dtype=torch.bool, device=HOST)
         self.plain[plain] = True
+        # EOS and the other special tokens: never in a validator's language, free in text.
+        self.byteless = torch.zeros(len(token_bytes), dtype=torch.bool, device=HOST)
+        self.byteless[byteless] = True
         self._allowed: dict[Hashable, torch.Tensor] = {}
 
     def __len__(self) -> int:

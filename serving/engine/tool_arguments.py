@@ -12,7 +12,7 @@ declared order it is, the key or value being written) as its own immutable state
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from serving.engine.json_validator import (
@@ -81,6 +81,19 @@ class ArgumentKeys:
     order: tuple[bytes, ...]
     required: frozenset[bytes]
     values: tuple[tuple[bytes, ValueSpec], ...]  # (key, what its value must be)
+    # Looked up for every byte a mask walk tries: precomputed. following[last + 1]: the keys
+    # that may follow the key at index `last`, the later ones up to the first required one.
+    following: tuple[tuple[bytes, ...], ...] = field(init=False, compare=False, repr=False)
+    value_of: dict[bytes, ValueSpec] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        following = []
+        for start in range(len(self.order) + 1):
+            rest = self.order[start:]
+            first = next((i for i, k in enumerate(rest) if k in self.required), len(rest) - 1)
+            following.append(rest[: first + 1])
+        object.__setattr__(self, "following", tuple(following))
+        object.__setattr__(self, "value_of", dict(self.values))
 
     @classmethod
     def from_schema(cls, schema: Mapping[str, Any] | None) -> "ArgumentKeys | None":
@@ -104,13 +117,8 @@ class ArgumentKeys:
         return cls(tuple(map(encode, properties)), frozenset(map(encode, required)), tuple(values))
 
     def next_keys(self, last: int) -> tuple[bytes, ...]:
-        """The keys that may follow the key at index `last`: the later ones, up to and
-        including the first required one."""
-        rest = self.order[last + 1 :]
-        for i, key in enumerate(rest):
-            if key in self.required:
-                return rest[: i + 1]
-        return rest
+        """The keys that may follow the key at index `last` (-1: the first key)."""
+        return self.following[last + 1]
 
     def step_keys(self, keys: KeysState, before: tuple, after: tuple, c: int) -> KeysState | None:
         """The keys' state after byte c took the JSON automaton from `before` to `after`
@@ -136,7 +144,7 @@ class ArgumentKeys:
             return last, None, None, None
         if c == 0x2C and after[0] == _KEY:  # "," before another key
             return (last, None, None, None) if self.next_keys(last) else None
-        value = next((v for k, v in self.values if k == value_of), None)
+        value = self.value_of.get(value_of) if value_of is not None else None
         if value is None or (mode == _VALUE and c in _WHITESPACE):
             return keys
         if mode == _VALUE:  # the value's first byte

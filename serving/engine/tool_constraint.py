@@ -208,6 +208,6 @@ class OptionalToolCallConstraint(ToolCallConstraint):
     def allowed_mask(self, vocab_size: int) -> torch.Tensor:
         mask = super().allowed_mask(vocab_size)
         if self.validator.in_text:  # and the tokens of no bytes: EOS, special tokens
-            no_bytes = [i for i, data in enumerate(self.vocab.token_bytes[:vocab_size]) if not data]
-            mask[no_bytes] = True
+            n = min(vocab_size, len(self.vocab))
+            mask[:n] |= self.vocab.byteless[:n]
         return mask
