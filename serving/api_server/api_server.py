@@ -16,14 +16,8 @@ from starlette.exceptions import HTTPException
 
 from serving.api_server.auth import APIKeyAuth
 from serving.api_server.metrics import ServerMetrics
-from serving.api_server.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from serving.api_server.protocol import DetokenizeRequest, TokenizeRequest
+from serving.api_server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from serving.api_server.serving_chat import chat_router
 from serving.api_server.serving_completion import completions_router
 from serving.api_server.serving_engine import APIError, OpenAIServing

@@ -17,20 +17,19 @@ import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from serving.api_server.protocol import (
+from serving.api_server.protocol import ChatCompletionRequest, ToolCall
+from serving.api_server.responses import (
     ChatCompletionChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatLogprobs,
     ChatResponseMessage,
     DeltaMessage,
     DeltaToolCall,
-    ToolCall,
     TopLogprob,
 )
-from serving.api_server.protocol import TokenLogprob as LogprobEntry
+from serving.api_server.responses import TokenLogprob as LogprobEntry
 from serving.api_server.serving_engine import (
     SSE_DONE,
     APIError,

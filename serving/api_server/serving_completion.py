@@ -13,11 +13,11 @@ import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from serving.api_server.protocol import (
+from serving.api_server.protocol import CompletionRequest
+from serving.api_server.responses import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
 )
 from serving.api_server.serving_engine import (

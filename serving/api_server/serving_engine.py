@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from serving.api_server.metrics import ServerMetrics
-from serving.api_server.protocol import (
+from serving.api_server.responses import (
     ErrorInfo,
     ErrorResponse,
     ResponseMetrics,

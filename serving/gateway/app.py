@@ -28,7 +28,7 @@ from router.router import Router, load_policy
 from router.spill import SpillPolicy
 from serving.api_server.api_server import install_error_handlers
 from serving.api_server.auth import APIKeyAuth
-from serving.api_server.protocol import ModelCard, ModelList
+from serving.api_server.responses import ModelCard, ModelList
 from serving.api_server.serving_engine import APIError
 from serving.gateway.admission import Admission, Overloaded
 from serving.gateway.config import GatewayConfig

@@ -111,7 +111,7 @@ def test_command_line_rejects_a_bad_speculative_config():
 
 
 def test_engine_without_speculation_has_no_metrics_field():
-    from serving.api_server.protocol import CompletionResponse, UsageInfo
+    from serving.api_server.responses import CompletionResponse, UsageInfo
 
     response = CompletionResponse(id="x", model="m", choices=[], usage=UsageInfo())
     assert "metrics" not in response.model_dump()

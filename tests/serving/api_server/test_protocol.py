@@ -5,16 +5,18 @@ from pydantic import ValidationError
 
 from serving.api_server.protocol import (
     AssistantMessage,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
-    ErrorResponse,
-    ModelList,
     TextMessage,
     TokenizeRequest,
+)
+from serving.api_server.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
 )
 
 USER = {"role": "user", "content": "Hi"}
