@@ -16,6 +16,23 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MOST_WORKERS = 4  # every worker loads models and starts servers: memory, not cores, bounds more
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject's addopts): one worker per core, up to MOST_WORKERS."""
+    return min(os.cpu_count() or 1, MOST_WORKERS)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A worker's share of the cores, for its own torch and the processes its tests start:
+    two workers each running two intra-op threads on two cores made the torch-bound tests
+    2-3x slower (OpenMP threads spin-wait on a core another worker holds)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is not None:
+        threads = max(1, (os.cpu_count() or 1) // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
