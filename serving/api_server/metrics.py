@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from serving.engine.llm_engine import LLMEngine, RequestOutput
+from serving.engine.llm_engine import LLMEngine
+from serving.engine.outputs import RequestOutput
 from speculative.speculator import Speculator
 
 PREFIX = "tierserve_"

@@ -16,7 +16,8 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from serving.engine.llm_engine import EngineRequest, LLMEngine, RequestOutput
+from serving.engine.llm_engine import EngineRequest, LLMEngine
+from serving.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from loadtests.bench_api import REQUESTS_PER_STREAM, median_row, run_offline
-from serving.engine.llm_engine import SequenceOutput
+from serving.engine.outputs import SequenceOutput
 
 
 class _Engine:

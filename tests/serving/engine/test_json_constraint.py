@@ -14,7 +14,8 @@ import torch
 from serving.api_server.protocol import ChatCompletionRequest
 from serving.engine.json_constraint import JsonObjectConstraint
 from serving.engine.json_validator import MAX_WHITESPACE, JsonValidator
-from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine, SequenceOutput
+from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine
+from serving.engine.outputs import SequenceOutput
 from serving.engine.sampler import Sampler, SamplingRow
 from serving.engine.token_vocabulary import json_vocabulary
 from serving.model.causal_lm import CausalLM
