@@ -5,7 +5,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import training.tasks.sandbox.sandbox as sandbox_module
+import training.tasks.sandbox.isolation as sandbox_module
 
 FORK_BOMB = """
 import os

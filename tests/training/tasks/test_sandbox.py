@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import training.tasks.sandbox.sandbox as sandbox_module
+import training.tasks.sandbox.isolation as sandbox_module
 from serving.cli import main as cli_main
 from tests.training.tasks.host_processes import assert_gone
 from training.tasks.sandbox import (
