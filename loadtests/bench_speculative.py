@@ -11,7 +11,7 @@ token for token against the plain run. Methods alternate within each round, and 
 median over rounds is reported, so slow periods of a noisy machine hit all alike.
 
     python loadtests/bench_speculative.py [--concurrency 1 4 16] [--new-tokens 128] [--k 4]
-        [--enforce-eager]
+        [--enforce-eager] [--target DIR] [--mtp-head DIR]
 """
 
 import argparse
@@ -106,6 +106,11 @@ def main() -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no compiled steps (the server compiles)"
     )
+    parser.add_argument(
+        "--mtp-head",
+        type=Path,
+        help="the target with another MTP head (`tierserve train mtp`'s model): drafts beside",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = EngineConfig(enforce_eager=args.enforce_eager)
@@ -124,6 +129,9 @@ def main() -> None:
         name: _ready(args.target, dataclasses.replace(config, speculative=spec))
         for name, spec in specs.items()
     }
+    if args.mtp_head is not None:
+        spec = dataclasses.replace(config, speculative=specs["mtp"])
+        engines[f"mtp ({args.mtp_head.parent.name})"] = _ready(args.mtp_head, spec)
     prompts = task_prompts(engines["none"].tokenizer, max(args.requests, max(args.concurrency)))
     print(
         f"target {args.target.name}, greedy, {len(prompts)} held-out task prompts "

@@ -71,6 +71,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
         ("pretrain", "the base MoE on the mixed domain corpus (with MTP)"),
         ("sft", "supervised fine-tuning on chat examples (--style think|short)"),
         ("draft", "a small dense drafter distilled from a target model (--style of its turns)"),
+        ("mtp", 'the --init model\'s MTP head alone, on its own outputs (draft_data="target")'),
         ("dpo", "DPO on multi-objective pairs from the --init model's own samples"),
         ("rl", "GRPO with DAPO's refinements on the verifiers' rewards (--init: the policy)"),
     ):
@@ -88,7 +89,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--tokenizer", type=Path, help="directory with tokenizer.json")
         else:
             p.add_argument("--init", type=Path, help="the checkpoint to start from / distil")
-        if stage in ("sft", "draft"):
+        if stage in ("sft", "draft", "mtp"):
             p.add_argument("--style", choices=["think", "short"])
         p.set_defaults(run=run_stage_command, stage=stage)
     add_train_router(stages)

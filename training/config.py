@@ -146,9 +146,10 @@ class StageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    stage: Literal["pretrain", "sft", "draft", "dpo", "rl"]
+    stage: Literal["pretrain", "sft", "draft", "mtp", "dpo", "rl"]
     style: Literal["think", "short"] = "think"
-    init: str | None = None  # a checkpoint directory to start from (sft, draft's teacher)
+    # a checkpoint directory to start from (sft, dpo, rl; draft's teacher; mtp's target)
+    init: str | None = None
     shape: dict[str, Any] | None = None  # config.json fields of a model built from scratch
     # sft: start from these decoder layers of `init` only (depth pruning, training/pruning.py)
     keep_layers: list[int] | None = None
@@ -156,8 +157,8 @@ class StageConfig(BaseModel):
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     kd_temperature: float = Field(1.0, gt=0)  # draft, sft: softmax temperature of distillation
-    # draft: distil on the reference turns of `style`, or on the target's (`init`'s) own greedy
-    # completions of the same prompts (training/target_data.py)
+    # draft, mtp: train on the reference turns of `style`, or on the target's (`init`'s) own
+    # greedy completions of the same prompts (training/target_data.py)
     draft_data: Literal["reference", "target"] = "reference"
     # sft in the short style: the think-style checkpoint whose answer-token distributions,
     # given its reasoning, the student learns (logit KL), weighted by kd_weight

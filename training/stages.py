@@ -41,6 +41,7 @@ from training.losses import (
     token_loss_sum,
     token_losses,
 )
+from training.mtp_head import export_mtp, load_for_mtp, mtp_loss
 from training.pruning import keep_layers
 from training.qat import disable_qat, enable_qat, served_state_dict
 from training.rl_trainer import RLTrainer
@@ -260,11 +261,11 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
         raise ConfigError(f"[qat] is for the sft stage, not {config.stage}")
     if config.teacher is not None and (config.stage, config.style) != ("sft", "short"):
         raise ConfigError("`teacher` distils a think-style model into the short-style sft stage")
-    if config.draft_data != "reference" and config.stage != "draft":
-        raise ConfigError(f"draft_data is for the draft stage, not {config.stage}")
+    if config.draft_data != "reference" and config.stage not in ("draft", "mtp"):
+        raise ConfigError(f"draft_data is for the draft and mtp stages, not {config.stage}")
     if config.keep_layers is not None and config.stage != "sft":
         raise ConfigError(f"keep_layers is for the sft stage, not {config.stage}")
-    if config.stage in ("sft", "draft", "dpo", "rl") and not config.init:
+    if config.stage in ("sft", "draft", "mtp", "dpo", "rl") and not config.init:
         raise ConfigError(f"the {config.stage} stage needs `init`: a checkpoint directory")
     tok_dir = Path(config.tokenizer or config.init or "")
     if config.stage == "pretrain" and not config.tokenizer:
@@ -337,6 +338,8 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
                 teacher_model = load_checkpoint(config.teacher).eval()
                 teacher = Teacher(teacher_model, config.kd_weight, config.kd_temperature)
             loss = lm_loss(cfg, curriculum.domains if curriculum else None, teacher)
+        elif config.stage == "mtp":
+            model, loss = load_for_mtp(config.init), mtp_loss()
         else:
             if config.shape is None:
                 raise ConfigError("the draft stage needs `shape`: the drafter's config.json fields")
@@ -364,6 +367,8 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
                 latent, final, config.qat.format, config.qat.all_linear, torch.bfloat16
             )
             shutil.rmtree(latent)
+        elif config.stage == "mtp":
+            export_mtp(model, config.init, final)
         else:
             export(model, final, tok_dir, torch.bfloat16)
         summary = {"stage": config.stage, "style": config.style, "log_tail": trainer.log[-1]}
