@@ -4,7 +4,8 @@ tokenizer -> pretrain (the base MoE, with MTP) -> SFT in the think style (the fu
 the highspeed student: the think-style model cut to some of its decoder layers (`[highspeed]
 keep_layers` in recipe.toml), fine-tuned in the short style and distilled from the think-style
 model -> with a `qat.toml`, quantization-aware SFT of the student, whose FP4 export is the
-highspeed tier that ships -> the full
+highspeed tier that ships -> with an `mtp.toml`, that model's MTP head trained alone on its own
+greedy answers -> the full
 tier's post-training stages that the recipe has (`dpo.toml`, `rl.toml`), each evaluated on
 held-out tasks against the model before it -> a dense drafter distilled from the full model
 that ships -> model cards with every stage's table, and the three Hugging Face directories
@@ -198,6 +199,10 @@ def run_recipe(
         )
         for stage in ("sft-think", *short_stages)
     }
+    if (src / "mtp.toml").exists():  # the head alone: the evaluated main model is unchanged
+        fields = {"init": str(work / short_stages[-1] / "model"), "style": "short"}
+        config = load_stage_config(src / "mtp.toml", **fields)
+        timed("mtp-short", lambda: run_stage(config, work / "mtp-short"))
     full_stages = ["sft-think"]
     regressions: dict[str, list[str]] = {}
     for stage in (s for s in POST_TRAINING if (src / f"{s}.toml").exists()):
@@ -220,6 +225,8 @@ def run_recipe(
             print(f"warning: {message}", flush=True)
     best = max(full_stages, key=lambda s: _mean_completion(evals[s]))
     full, short = work / best / "model", work / short_stages[-1] / "model"
+    if (src / "mtp.toml").exists():
+        short = work / "mtp-short" / "model"
     config = load_stage_config(src / "draft.toml", init=str(full))
     timed("draft", lambda: run_stage(config, work / "draft"))
     draft = work / "draft" / "model"
@@ -245,8 +252,13 @@ def run_recipe(
         f"{recipe.highspeed.keep_layers or 'all'}, fine-tuned on short direct answers of the same "
         "tasks and distilled from the full tier's reasoned ones"
         + (
-            ", then trained through FP4 expert weights (quantization-aware) and stored as FP4."
+            ", then trained through FP4 expert weights (quantization-aware) and stored as FP4"
             if "qat-short" in short_stages
+            else ""
+        )
+        + (
+            "; its MTP head then trained alone on the model's own greedy answers."
+            if (src / "mtp.toml").exists()
             else "."
         ),
         "draft": f"A dense drafter distilled from `{name}-full`'s next-token distributions, "

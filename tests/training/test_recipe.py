@@ -43,7 +43,8 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_every_stage_leaves_a_model_curves_and_logs(smoke: Path) -> None:
-    for stage in ("pretrain", "sft-think", "sft-short", "qat-short", "dpo", "rl", "draft"):
+    stages = ("pretrain", "sft-think", "sft-short", "qat-short", "mtp-short", "dpo", "rl", "draft")
+    for stage in stages:
         run = smoke / "runs" / stage
         assert (run / "curves.png").stat().st_size > 1000
         assert len((run / "log.jsonl").read_text().splitlines()) >= 3
@@ -54,6 +55,11 @@ def test_every_stage_leaves_a_model_curves_and_logs(smoke: Path) -> None:
     assert 0.0 <= summary["draft_agreement"] <= 1.0
     assert summary["full_stages"] == ["sft-think", "dpo", "rl"]
     assert summary["shipped_full"] in summary["full_stages"]
+    shipped = smoke / "models" / "smoke-highspeed" / "model.safetensors"
+    assert (
+        shipped.read_bytes()
+        == (smoke / "runs" / "mtp-short" / "model" / "model.safetensors").read_bytes()
+    )
     out = (smoke / "stdout.txt").read_text()
     for stage in (*summary["full_stages"], "sft-short", "qat-short"):
         assert f"### {stage}" in out  # every post-training stage's table, by name
