@@ -160,6 +160,9 @@ class StageConfig(BaseModel):
     # draft, mtp: train on the reference turns of `style`, or on the target's (`init`'s) own
     # greedy completions of the same prompts (training/target_data.py)
     draft_data: Literal["reference", "target"] = "reference"
+    # mtp: the drafts a step chains the head for when serving (`num_speculative_tokens`),
+    # each depth trained; the first of them alone is what a one-layer head was trained for
+    mtp_depths: int = Field(1, ge=1)
     # sft in the short style: the think-style checkpoint whose answer-token distributions,
     # given its reasoning, the student learns (logit KL), weighted by kd_weight
     teacher: str | None = None

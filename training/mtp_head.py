@@ -37,17 +37,20 @@ def load_for_mtp(init: str) -> CausalLM:
     return model
 
 
-def mtp_loss() -> LossFn:
-    """Cross-entropy of every MTP depth at the target tokens it predicts (depth d at t: token
-    t + d + 1), over the frozen model's hidden states; logged per depth with its top-1
-    accuracy, the share of drafts greedy verification would accept."""
+def mtp_loss(depths: int) -> LossFn:
+    """Cross-entropy at `depths` MTP depths, summed, of the target tokens each predicts (depth
+    d at t: token t + d + 1), over the frozen model's hidden states; depths past the head's
+    layers chain its last one, as serving drafts. Logged per depth with its top-1 accuracy,
+    about the share of d-th drafts greedy verification accepts once the earlier ones were."""
 
     def loss(model: CausalLM, batch: Batch) -> LossParts:
         with torch.no_grad():
             hidden = model(batch.input_ids, batch.positions, padding_mask=batch.padding_mask)
-        depths = model.mtp_logits(hidden, batch.input_ids, batch.positions, batch.padding_mask)
+        depth_logits = model.mtp_logits(
+            hidden, batch.input_ids, batch.positions, batch.padding_mask, depths
+        )
         sums, metrics = [], {}
-        for depth, logits in enumerate(depths, start=1):
+        for depth, logits in enumerate(depth_logits, start=1):
             labels = shift_labels(batch.labels, depth)
             sums.append(token_loss_sum(logits, labels))
             targets = labels != IGNORE

@@ -263,6 +263,8 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
         raise ConfigError("`teacher` distils a think-style model into the short-style sft stage")
     if config.draft_data != "reference" and config.stage not in ("draft", "mtp"):
         raise ConfigError(f"draft_data is for the draft and mtp stages, not {config.stage}")
+    if config.mtp_depths != 1 and config.stage != "mtp":
+        raise ConfigError(f"mtp_depths is for the mtp stage, not {config.stage}")
     if config.keep_layers is not None and config.stage != "sft":
         raise ConfigError(f"keep_layers is for the sft stage, not {config.stage}")
     if config.stage in ("sft", "draft", "mtp", "dpo", "rl") and not config.init:
@@ -339,7 +341,7 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
                 teacher = Teacher(teacher_model, config.kd_weight, config.kd_temperature)
             loss = lm_loss(cfg, curriculum.domains if curriculum else None, teacher)
         elif config.stage == "mtp":
-            model, loss = load_for_mtp(config.init), mtp_loss()
+            model, loss = load_for_mtp(config.init), mtp_loss(config.mtp_depths)
         else:
             if config.shape is None:
                 raise ConfigError("the draft stage needs `shape`: the drafter's config.json fields")

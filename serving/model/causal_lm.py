@@ -284,19 +284,22 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         padding_mask: torch.Tensor | None = None,
+        depths: int | None = None,
     ) -> list[torch.Tensor]:
         """Padded mode: MTP depth d's logits at position t predict token t + d + 1.
 
         Depth d combines the depth d-1 hidden state at t (depth 0: the model's final hidden
         state) with the embedding of token t + d; positions past the end see token 0 and must
-        be masked by the loss.
+        be masked by the loss. `depths` (default: one per MTP layer) past the last layer chain
+        it again, as serving drafts more tokens than there are layers.
         """
         mask = causal_mask(input_ids.shape[-1], padding_mask, input_ids.device)
         out, h = [], hidden
         rope = self.rotary(positions, hidden.dtype)
-        for d, layer in enumerate(self.mtp, start=1):
+        for d in range(1, (depths or len(self.mtp)) + 1):
             shifted = torch.zeros_like(input_ids)
             shifted[:, :-d] = input_ids[:, d:]
+            layer = self.mtp[min(d, len(self.mtp)) - 1]
             h = layer(h, self.embed_tokens(shifted), rope, None, mask)
             out.append(self.compute_logits(h))
         return out
