@@ -1,68 +1,25 @@
 """The DeepSpeed trainer, run as users run it (`tierserve train ...` in its own process):
-exact resume after SIGKILL, two processes matching one, ZeRO and bf16, atomic checkpoints."""
+exact resume after SIGKILL (pretraining, and curriculum SFT with the same batches) and atomic
+checkpoints. Two processes and bf16: `test_trainer_zero_bf16.py`."""
 
-import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests import REPO
+from tests.training.trainer_runs import TIERSERVE, env, pretrain_args, read_log, train
 from training import checkpointing
 
 pytestmark = pytest.mark.slow
-
-TOY = REPO / "training" / "recipes" / "smoke" / "pretrain.toml"
-TIERSERVE = [sys.executable, "-c", "from serving.cli import main; main()"]
-
-
-def _env() -> dict[str, str]:
-    # One thread per process: deterministic reductions, and two processes fit two cores.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def _args(out: Path, tokenizer: Path, *overrides: str) -> list[str]:
-    # A learning rate at which 8 steps of the toy visibly lower the loss (at the config's
-    # warmup the loss only wanders, and which way depends on the data).
-    toy = ("data.examples=30", "train.steps=8", "train.optim.lr=1e-2", "train.optim.warmup_steps=0")
-    sets = [f"--set={o}" for o in (*toy, *overrides)]
-    return [
-        "train",
-        "pretrain",
-        "--config",
-        str(TOY),
-        "--out",
-        str(out),
-        "--tokenizer",
-        str(tokenizer),
-        *sets,
-    ]
-
-
-def _train(out: Path, tokenizer: Path, *overrides: str) -> list[dict]:
-    subprocess.run(
-        [*TIERSERVE, *_args(out, tokenizer, *overrides)],
-        env=_env(),
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return _log(out)
-
-
-def _log(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(random_checkpoint: Path, tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("train") / "a"
-    return out, _train(out, random_checkpoint)
+    return out, train(out, random_checkpoint)
 
 
 def test_sigkill_then_resume_gives_the_same_losses(uninterrupted, random_checkpoint, tmp_path):
@@ -71,8 +28,8 @@ def test_sigkill_then_resume_gives_the_same_losses(uninterrupted, random_checkpo
     assert log_a[-1]["loss"] < log_a[0]["loss"]
     out = tmp_path / "b"
     proc = subprocess.Popen(
-        [*TIERSERVE, *_args(out, random_checkpoint)],
-        env=_env(),
+        [*TIERSERVE, *pretrain_args(out, random_checkpoint)],
+        env=env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -83,40 +40,12 @@ def test_sigkill_then_resume_gives_the_same_losses(uninterrupted, random_checkpo
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert checkpointing.latest(out / "checkpoints") is not None
-    log_b = _train(out, random_checkpoint)
+    log_b = train(out, random_checkpoint)
     assert [(r["step"], r["loss"], r["ce"], r["lr"]) for r in log_b] == [
         (r["step"], r["loss"], r["ce"], r["lr"]) for r in log_a
     ]
     assert (out / "curves.png").stat().st_size > 0
     assert (out / "model" / "model.safetensors").exists()
-
-
-def test_two_processes_with_zero2_match_one_process(random_checkpoint, tmp_path) -> None:
-    single = _train(tmp_path / "one", random_checkpoint, "train.grad_accum=2")
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--standalone",
-        "--no-python",
-        *TIERSERVE,
-    ]
-    cmd = [*launcher, *_args(tmp_path / "two", random_checkpoint, "train.zero_stage=2")]
-    subprocess.run(cmd, env=_env(), check=True, capture_output=True, timeout=300)
-    double = _log(tmp_path / "two")
-    assert len(double) == len(single) == 8
-    for a, b in zip(single, double, strict=True):
-        assert b["tokens"] == a["tokens"]  # the same global batch
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
-
-
-def test_bf16_trains(random_checkpoint, tmp_path) -> None:
-    log = _train(tmp_path / "bf16", random_checkpoint, 'train.dtype="bf16"', "train.zero_stage=1")
-    assert all(row["loss"] == row["loss"] for row in log)  # no NaN
-    assert log[-1]["loss"] < log[0]["loss"]
-    config = json.loads((tmp_path / "bf16" / "model" / "config.json").read_text())
-    assert config["dtype"] == "bfloat16"
 
 
 def test_damaged_or_unfinished_checkpoints_are_never_resumed(uninterrupted, tmp_path) -> None:
@@ -157,12 +86,12 @@ def _sft(out: Path, init: Path, steps: int) -> list[dict]:
     cmd = ["train", "sft", "--out", str(out), "--init", str(init)]
     subprocess.run(
         [*TIERSERVE, *cmd, *[f"--set={s}" for s in sets]],
-        env=_env(),
+        env=env(),
         check=True,
         capture_output=True,
         timeout=300,
     )
-    return _log(out)
+    return read_log(out)
 
 
 def test_curriculum_sft_resumes_with_the_same_batches(random_checkpoint, tmp_path) -> None:
