@@ -31,7 +31,6 @@ def load_for_mtp(init: str) -> CausalLM:
     model = load_checkpoint(init)
     if not len(model.mtp):
         raise ConfigError(f"{init} has no MTP head (`tierserve_mtp` in its config.json)")
-    model.config.quantization = None  # dequantized: what the trainer holds is plain fp32
     for name, param in model.named_parameters():
         param.requires_grad = name.startswith(MTP_PREFIX)
     return model
@@ -73,9 +72,8 @@ def export_mtp(model: CausalLM, init: str, out: Path) -> Path:
     raw = json.loads((init_dir / "config.json").read_text())
     q = raw.get("quantization_config")
     if q is not None:
-        targets = [t for group in q["config_groups"].values() for t in group["targets"]]
-        fmt = quantization.checkpoint_format(q)
-        head = quantization.quantize_state_dict(head, fmt, "Linear" in targets)
+        fmt, all_linear = quantization.checkpoint_format(q), quantization.checkpoint_all_linear(q)
+        head = quantization.quantize_state_dict(head, fmt, all_linear)
     dtype = getattr(torch, raw.get("dtype") or "float32")
     head = {k: v if ".weight_" in k else v.detach().to(dtype) for k, v in head.items()}
     if set(head) != {k for k in tensors if k.startswith(MTP_PREFIX)}:

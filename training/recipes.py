@@ -199,7 +199,10 @@ def run_recipe(
         )
         for stage in ("sft-think", *short_stages)
     }
-    if (src / "mtp.toml").exists():  # the head alone: the evaluated main model is unchanged
+    # The highspeed model's MTP head alone: the main model evaluated above is what ships.
+    mtp = (src / "mtp.toml").exists()
+    shipped_short = work / ("mtp-short" if mtp else short_stages[-1]) / "model"
+    if mtp:
         fields = {"init": str(work / short_stages[-1] / "model"), "style": "short"}
         config = load_stage_config(src / "mtp.toml", **fields)
         timed("mtp-short", lambda: run_stage(config, work / "mtp-short"))
@@ -224,9 +227,7 @@ def run_recipe(
                 raise RegressionError(message + " (rerun with --continue-on-regression to go on)")
             print(f"warning: {message}", flush=True)
     best = max(full_stages, key=lambda s: _mean_completion(evals[s]))
-    full, short = work / best / "model", work / short_stages[-1] / "model"
-    if (src / "mtp.toml").exists():
-        short = work / "mtp-short" / "model"
+    full = work / best / "model"
     config = load_stage_config(src / "draft.toml", init=str(full))
     timed("draft", lambda: run_stage(config, work / "draft"))
     draft = work / "draft" / "model"
@@ -256,16 +257,12 @@ def run_recipe(
             if "qat-short" in short_stages
             else ""
         )
-        + (
-            "; its MTP head then trained alone on the model's own greedy answers."
-            if (src / "mtp.toml").exists()
-            else "."
-        ),
+        + ("; its MTP head then trained alone on the model's own greedy answers." if mtp else "."),
         "draft": f"A dense drafter distilled from `{name}-full`'s next-token distributions, "
         "for speculative decoding. Greedy agreement with the full model on held-out "
         f"completion tokens: {agreement:.1%}.",
     }
-    for tier, model_dir in (("full", full), ("highspeed", short), ("draft", draft)):
+    for tier, model_dir in (("full", full), ("highspeed", shipped_short), ("draft", draft)):
         target = published[tier]
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(model_dir, target)

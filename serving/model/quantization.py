@@ -151,6 +151,12 @@ def checkpoint_format(raw_quantization: dict) -> FP4Format:
     return FORMAT_NAMES[fmt]
 
 
+def checkpoint_all_linear(raw_quantization: dict) -> bool:
+    """Whether `quantization_config` wrote this block for every linear layer, not experts only."""
+    groups = raw_quantization.get("config_groups", {}).values()
+    return any("Linear" in group.get("targets", []) for group in groups)
+
+
 def use_quantized_modules(model: CausalLM, hf: dict[str, torch.Tensor], format: FP4Format) -> None:
     """Swap in FP4 placeholders wherever the (unpacked) checkpoint holds FP4 tensors."""
     for name, module in list(model.named_modules()):
