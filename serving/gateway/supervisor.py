@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 # A tier healthy this long after a restart has recovered: the backoff starts over.
 _STABLE_S = 60.0
+# A starting tier is probed this often (a refused connection costs nothing), so it serves
+# as soon as it answers rather than up to a health interval later.
+_STARTING_PROBE_S = 0.1
 
 
 def _die_with_parent() -> None:
@@ -151,7 +154,10 @@ class Supervisor:
                     backoff = self.config.restart_backoff_s
             elif upstream.state != TierState.STARTING:
                 upstream.state = TierState.UNHEALTHY
+            interval = self.config.health_interval_s
+            if upstream.state == TierState.STARTING:
+                interval = min(interval, _STARTING_PROBE_S)
             with contextlib.suppress(asyncio.TimeoutError):
                 # Wake at once when the process dies, else poll health at the interval.
                 waiter = process.wait() if process is not None else asyncio.sleep(3600)
-                await asyncio.wait_for(waiter, self.config.health_interval_s)
+                await asyncio.wait_for(waiter, interval)

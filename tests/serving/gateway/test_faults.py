@@ -63,6 +63,7 @@ class Load(threading.Thread):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_sigkill_of_a_tier_under_load(random_checkpoint: Path, tmp_path: Path):
     """In-flight streams on the killed tier end with an error event, new requests fall over
     to the other tier, the supervisor restarts it, and the full tier serves again within
