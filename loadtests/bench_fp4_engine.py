@@ -8,12 +8,19 @@ modules kept (`keep_fp4=True`, dequantizing per step) and as the CPU loads them 
 dequantized once at load to bf16. Prints the resident weight memory of each and its decode
 tokens/s (tokens generated once every request has its first token, over that time).
 
+With `--model DIR` (an FP4 checkpoint, e.g. models/demo-highspeed) it compares the two ways
+that checkpoint serves on this CPU instead, compiled as a server runs them: as `--dtype auto`
+loads it (dequantized to bf16 where the CPU has native bf16, kept FP4 where `auto` would
+widen it to fp32) and dequantized at load to fp32 (`--dtype float32`).
+
     python loadtests/bench_fp4_engine.py [--concurrency 1 4 16] [--new-tokens 128]
+    python loadtests/bench_fp4_engine.py --model models/demo-highspeed --concurrency 1 4
 """
 
 import argparse
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -83,6 +90,7 @@ def decode_tokens_per_second(engine: LLMEngine, prompts: list[list[int]], new: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/tierserve-bench-moe-43m"))
+    ap.add_argument("--model", type=Path, help="an FP4 checkpoint: auto against fp32, compiled")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2, help="best of this many runs")
@@ -91,15 +99,20 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    full = build_checkpoint(args.checkpoint)
+    full = args.model or build_checkpoint(args.checkpoint)
     engines, nbytes = {}, {}
-    paths = variant_checkpoints(full)
-    for name, (variant, dtype, keep_fp4) in ROWS.items():
-        model = load_checkpoint(paths[variant], dtype, keep_fp4=keep_fp4)
+    if args.model:
+        rows = {"fp32": (full, "float32", None), "auto": (full, "auto", None)}
+    else:
+        paths = variant_checkpoints(full)
+        rows = {name: (paths[variant], *how) for name, (variant, *how) in ROWS.items()}
+    for name, (path, dtype, keep_fp4) in rows.items():
+        model = load_checkpoint(path, dtype, keep_fp4=keep_fp4)
         nbytes[name] = weight_bytes(model)
-        engines[name] = LLMEngine(
-            model, EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024), []
-        )
+        config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024)
+        engines[name] = LLMEngine(model, replace(config, enforce_eager=not args.model), [])
+        if engines[name].runner.graphs:
+            engines[name].runner.graphs.wait()
     vocab = engines["fp32"].runner.model.config.vocab_size
     for engine in engines.values():
         decode_tokens_per_second(engine, make_prompts(2, vocab, seed=99), 8)  # warm up

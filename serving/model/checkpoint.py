@@ -19,7 +19,7 @@ from serving.model import quantization
 from serving.model.causal_lm import CausalLM, rope_table
 from serving.model.config import CheckpointError, ModelConfig
 from serving.model.device import CPU
-from serving.model.dtype import resolve_dtype
+from serving.model.dtype import DTYPES, resolve_dtype
 from serving.model.hf_state_dict import FP4_PARTS, from_hf_state_dict, to_hf_state_dict
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -62,22 +62,31 @@ def load_checkpoint(
     """The model in `dtype` on `device`: a torch dtype, or a `--dtype` name (`auto`: the
     checkpoint's).
 
-    FP4 weights stay FP4 where the Triton kernels run (`keep_fp4=None`: on CUDA). Elsewhere
-    they are dequantized once, at load, to `dtype`: on CPU that serves at the speed of the
+    FP4 weights stay FP4 where the Triton kernels run (`keep_fp4=None`: on CUDA). On a CPU
+    they are dequantized once, at load, to `dtype`: that serves at the speed of the
     unquantized model (FP4 per step costs 23-50% of decode speed, README "The CPU path"), in
-    the memory of a `dtype` checkpoint. `keep_fp4=True` keeps the FP4 modules on CPU too."""
+    the memory of a `dtype` checkpoint. Except where `auto` computes wider than the
+    checkpoint's dtype (a bf16 checkpoint on a CPU without native bf16: fp32): dequantized
+    they would take twice a bf16 model's memory, so they stay FP4 (the fastest way within
+    it); a dtype named explicitly still dequantizes. `keep_fp4` overrides the choice."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
     config = ModelConfig.from_file(path / "config.json")
+    widened = False
     if isinstance(dtype, str):
+        auto = dtype == "auto"
         dtype = resolve_dtype(dtype, config.dtype, device)
+        stored = DTYPES.get(config.dtype or "float32", torch.float32)
+        widened = auto and dtype.itemsize > stored.itemsize
     model = CausalLM.empty(config)
     hf = read_safetensors(path, device)
     if config.quantization is not None:
         fmt = quantization.checkpoint_format(config.quantization)
         hf = quantization.unpack_state_dict(hf)
-        if keep_fp4 if keep_fp4 is not None else ops.use_triton(device):
+        if keep_fp4 is None:
+            keep_fp4 = ops.use_triton(device) or widened
+        if keep_fp4:
             with torch.device("meta"):
                 quantization.use_quantized_modules(model, hf, fmt)
         else:  # a plain model now: saving it must not claim FP4 weights

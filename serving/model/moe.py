@@ -5,11 +5,14 @@ Expert weights are held fused, `gate_up [E, 2I, H]` (gate rows first, then up) a
 grouped product over tokens sorted by expert rather than one module per expert.
 """
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from kernels.formats import FP4Format, FP4Tensor
 from kernels.modules import QuantizedWeight
 from kernels.reference import fp4_moe, silu_and_mul
 from serving.model.config import ModelConfig
@@ -103,6 +106,35 @@ def _(x, weights, experts, gate_up, down):
     return torch.empty_like(x)
 
 
+# The same for FP4 experts on a CPU (`fp4_moe`, the lookup-table dequantization of the used
+# experts), each weight passed as its parts: an op's arguments are tensors and scalars.
+torch.library.define(
+    "tierserve::fp4_moe_experts",
+    "(Tensor x, Tensor weights, Tensor experts, str format, Tensor gate_up_packed, "
+    "Tensor gate_up_scales, Tensor? gate_up_row_scale, int gate_up_k, Tensor down_packed, "
+    "Tensor down_scales, Tensor? down_row_scale, int down_k) -> Tensor",
+)
+
+
+def _fp4_moe_experts(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, format: FP4Format, *parts: Any
+) -> torch.Tensor:
+    gate_up, down = FP4Tensor(format, *parts[:4]), FP4Tensor(format, *parts[4:])
+    return fp4_moe(x, weights, experts, gate_up, down)
+
+
+torch.library.impl("tierserve::fp4_moe_experts", "CompositeExplicitAutograd", func=_fp4_moe_experts)
+
+
+@torch.library.register_fake("tierserve::fp4_moe_experts")
+def _(x, *args):
+    return torch.empty_like(x)
+
+
+def _fp4_parts(t: FP4Tensor) -> tuple[Any, ...]:
+    return t.packed, t.scales, t.row_scale, t.k
+
+
 # Above this many tokens per expert, padding costs more than the per-expert calls it saves.
 PADDED_CAPACITY = 16
 
@@ -135,7 +167,9 @@ class SparseMoE(nn.Module):
         if ops.use_triton(x.device):
             y = ops.fused_moe(x, weights, experts, gate_up, down)
         elif fp4:
-            y = fp4_moe(x, weights, experts, gate_up, down)
+            y = torch.ops.tierserve.fp4_moe_experts(
+                x, weights, experts, gate_up.format, *_fp4_parts(gate_up), *_fp4_parts(down)
+            )
         elif torch.is_grad_enabled():  # training: the op has no backward
             y = grouped_experts(x, weights, experts, gate_up, down)
         else:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import ops
-from kernels.modules import QuantizedWeight
+from kernels.modules import FP4Linear
 from serving.model.attention import (
     SHORT_CHUNK,
     AttentionMetadata,
@@ -89,15 +89,17 @@ class PagedModel:
     ) -> None:
         """`kv_cache_dtype`: default, the model's. `graph_sizes`: compile decode steps at
         these padded batch sizes (`DecodeGraphs`, in the background); None runs every step
-        eagerly, and so does an FP4 model (its CPU path unpacks weights in Python)."""
+        eagerly, and so does a model with FP4 linear layers (its CPU path dequantizes in
+        Python, which a graph would trace into a slow fused loop); FP4 experts are an opaque
+        op there, like unquantized ones."""
         self.model = model
         self.block_size = block_size
         cfg = model.config
         self.dtype = model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device  # the cache and inputs go there too
         dtype = kv_cache_dtype or self.dtype
-        quantized = any(isinstance(m, QuantizedWeight) for m in model.modules())
-        graph_sizes = None if quantized else graph_sizes
+        if any(isinstance(m, FP4Linear) for m in model.modules()):
+            graph_sizes = None
         # Compiled steps pad their batch with rows that write to one extra, unowned block.
         shape = (num_blocks + bool(graph_sizes), block_size, cfg.num_key_value_heads, cfg.head_dim)
         pack_for_inference(model)

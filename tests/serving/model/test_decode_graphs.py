@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from kernels.modules import QuantizedWeight
 from serving.engine import llm_engine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
-from serving.model.checkpoint import load_checkpoint
+from serving.model.checkpoint import load_checkpoint, quantize_checkpoint
 from serving.model.decode_graphs import graph_sizes
 from serving.model.sampling import SamplingParams
 from speculative.config import SpeculativeConfig
@@ -26,20 +27,28 @@ def test_graph_sizes_cover_max_num_seqs():
 
 
 @pytest.mark.slow
-def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize("fp4", [False, True], ids=["plain-experts", "fp4-experts"])
+def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch, fp4: bool):
+    """FP4 experts (kept FP4 on the CPU) are an opaque op in the graph, as plain ones are."""
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "not-this-one"))
     monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [4])  # one graph
     ckpt = save_tiny_moe(tmp_path / "tiny-moe")
+    if fp4:
+        quantize_checkpoint(ckpt, tmp_path / "tiny-moe-nvfp4", "nvfp4", False)
+        ckpt = tmp_path / "tiny-moe-nvfp4"
     # Different lengths, so decode batches of 3, 2 and 1 are padded to 4; a 16-token budget
     # chunks the prompts, so mixed steps (eager) come between decode-only steps (compiled).
     ps = prompts(3, TINY_MOE["vocab_size"], seed=3)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (30, 20, 10)]
     config = dict(max_num_seqs=4, max_num_batched_tokens=16)
-    eager = LLMEngine(load_checkpoint(ckpt), EngineConfig(**config), eos_token_ids=[])
+    eager = LLMEngine(load_checkpoint(ckpt, keep_fp4=fp4), EngineConfig(**config), eos_token_ids=[])
     compiled = LLMEngine(
-        load_checkpoint(ckpt), EngineConfig(**config, enforce_eager=False), eos_token_ids=[]
+        load_checkpoint(ckpt, keep_fp4=fp4),
+        EngineConfig(**config, enforce_eager=False),
+        eos_token_ids=[],
     )
+    assert any(isinstance(m, QuantizedWeight) for m in compiled.model.modules()) == fp4
     graphs = compiled.runner.graphs
     graphs.wait()
     assert graphs.num_ready == 1

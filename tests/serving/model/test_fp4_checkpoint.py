@@ -147,6 +147,33 @@ def test_cpu_dequantizes_fp4_at_load_into_the_same_weights(quantized, tmp_path, 
             assert state[k].dtype == dtype and torch.equal(state[k], v.to(dtype)), k
 
 
+@pytest.mark.parametrize("bf16_native", [False, True])
+def test_auto_keeps_fp4_rather_than_widen_it_past_bf16(
+    quantized, tmp_path, monkeypatch, bf16_native
+):
+    """A bf16 FP4 checkpoint under `auto`: dequantized to bf16 where the CPU computes bf16;
+    where it cannot (auto falls back to fp32) it stays FP4, under a bf16 model's memory; an
+    explicit float32 still dequantizes."""
+    path = tmp_path / "bf16-fp4"
+    shutil.copytree(quantized["nvfp4", False], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
+    monkeypatch.setattr(
+        "serving.model.dtype.is_supported",
+        lambda dtype, device=None: dtype == torch.float32 or bf16_native,
+    )
+    auto = load_checkpoint(path, "auto")
+    kept = isinstance(auto.layers[0].mlp.gate_up, QuantizedWeight)
+    assert kept != bf16_native
+    assert auto.embed_tokens.weight.dtype == (torch.bfloat16 if bf16_native else torch.float32)
+    if not bf16_native:
+        plain = load_checkpoint(path, "float32")
+        assert plain.config.quantization is None
+        size = sum(t.numel() * t.element_size() for t in auto.state_dict().values())
+        bf16_size = sum(t.numel() * 2 for t in plain.state_dict().values())
+        assert size < bf16_size
+
+
 def test_quality_against_full_precision(full, quantized):
     """On random weights: NVFP4 (finer blocks and scales) stays closer than MXFP4."""
     long_prompts = [p for p in prompts(20, TINY_MOE["vocab_size"], seed=6) if len(p) >= 24]
