@@ -1,11 +1,15 @@
 """One tier as the gateway sees it: an OpenAI-compatible server behind a pooled httpx client,
 its health state and how many of the gateway's requests it is serving now."""
 
+import asyncio
 import socket
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import aiohttp
 import httpx
+from httpx_aiohttp import AiohttpTransport
 
 from router.policy import Tier
 from serving.gateway.config import EmbeddedTier, FallbackConfig, RemoteTier
@@ -23,6 +27,46 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _remapped(e: httpx.ConnectTimeout) -> httpx.HTTPError:
+    """httpx-aiohttp reports every aiohttp connection error as ConnectTimeout; a refused or a
+    dropped connection is not a timeout (the gateway's metrics and messages say which)."""
+    cause = e.__cause__
+    if cause is None or isinstance(cause, asyncio.TimeoutError):
+        return e
+    if isinstance(cause, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(str(cause))
+    return httpx.RemoteProtocolError(str(cause))
+
+
+class _RemappedStream(httpx.AsyncByteStream):
+    def __init__(self, stream: httpx.AsyncByteStream) -> None:
+        self.stream = stream
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.stream:
+                yield chunk
+        except httpx.ConnectTimeout as e:
+            raise _remapped(e) from e.__cause__
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class TierTransport(AiohttpTransport):
+    """httpx's API (and its test transports) over aiohttp's connection pool and C HTTP parser:
+    the hop of a whole answer cost ~2 ms less than through httpx's own pool (README
+    "Overhead")."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            response = await super().handle_async_request(request)
+        except httpx.ConnectTimeout as e:
+            raise _remapped(e) from e.__cause__
+        response.stream = _RemappedStream(response.stream)
+        return response
 
 
 @dataclass
@@ -112,7 +156,7 @@ def make_upstream(
     headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    transport = httpx.AsyncHTTPTransport(
+    transport = TierTransport(
         limits=httpx.Limits(
             max_connections=max_connections,
             max_keepalive_connections=max_connections,
