@@ -16,8 +16,9 @@ from fastapi import FastAPI, Response
 from fastapi.responses import StreamingResponse
 
 from serving.gateway.app import build_gateway_app
-from serving.gateway.config import GatewayConfig
-from serving.gateway.upstream import TierState, free_port
+from serving.gateway.config import FallbackConfig, GatewayConfig, RemoteTier
+from serving.gateway.proxy import UpstreamFailure, post
+from serving.gateway.upstream import TierState, free_port, make_upstream
 from tests.serving.gateway.processes import NAMES, alive, child_pids, start_gateway, stop
 
 USER = [{"role": "user", "content": "Write a haiku about the sea."}]
@@ -217,3 +218,27 @@ async def test_malformed_upstream_is_a_502_with_an_error_body(upstream_url: str)
     error = response.json()["error"]
     assert error["type"] == "server_error" and error["code"] == "malformed_response"
     assert "<html>" not in error["message"]
+
+
+@pytest.mark.parametrize("peer", ["refuses", "hangs_up"])
+async def test_a_lost_connection_is_not_called_a_timeout(peer: str):
+    """The tier client (aiohttp under httpx's API) reports a refused connection, and one the
+    tier closes before answering, as unreachable, not as timed out."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    if peer == "refuses":
+        listener.close()
+    else:
+        listener.listen()
+        threading.Thread(target=lambda: listener.accept()[0].close(), daemon=True).start()
+    tier = {"engine": "remote", "base_url": f"http://127.0.0.1:{port}/v1", "model": "m"}
+    upstream = make_upstream("full", RemoteTier.model_validate(tier), FallbackConfig(), 4, 5.0)
+    try:
+        with pytest.raises(UpstreamFailure) as failure:
+            await post(upstream, f"http://127.0.0.1:{port}/v1/chat/completions", b"{}", {}, False)
+    finally:
+        await upstream.client.aclose()
+        listener.close()
+    assert failure.value.cause == "connect_error", failure.value
+    assert "unreachable" in str(failure.value) and upstream.in_flight == 0
