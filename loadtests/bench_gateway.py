@@ -16,9 +16,11 @@ with `ignore_eos`, so both paths do exactly the same work.
   the two direct phases compared with each other give the noise floor.
 
 Also prints the gateway's own overhead histogram (parse, route, annotate) and the router's
-cost per request. Run:
+cost per request. With `--canned --bare`, `loadtests/bare_proxy.py` (a raw ASGI app relaying
+bytes over aiohttp, nothing else) stands where the gateway would: the floor of a Python hop
+on this machine. Run:
 
-    python loadtests/bench_gateway.py [--model DIR | --canned] [--stream] [--max-tokens 32]
+    python loadtests/bench_gateway.py [--model DIR | --canned [--bare]] [--stream] [--max-tokens 32]
 """
 
 import argparse
@@ -86,6 +88,22 @@ def start_gateway(tier: dict, workdir: Path) -> tuple[subprocess.Popen, str, str
         except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.5)
+
+
+def start_bare_proxy(tier_root: str) -> tuple[subprocess.Popen, str, str]:
+    port = free_port()
+    script = Path(__file__).with_name("bare_proxy.py")
+    command = [sys.executable, str(script), "--port", str(port), "--upstream", tier_root]
+    process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{tier_root}/health", timeout=2).is_success:
+                httpx.get(f"{url}/health", timeout=2).raise_for_status()
+                return process, url, tier_root
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise SystemExit("the bare proxy or the canned tier did not start")
 
 
 class Target:
@@ -256,6 +274,7 @@ async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid:
                 rows.append(row)
     mode = "streaming" if args.stream else "whole responses"
     mode += " from canned tiers (the hop alone)" if args.canned else " from engine tiers"
+    mode += ", through the bare proxy instead of the gateway" if args.bare else ""
     print(
         f"\n{mode}, {args.max_tokens // 2}-{3 * args.max_tokens // 2} output tokens per "
         "request, greedy; A/A: the same figure between two direct runs (the noise floor)\n"
@@ -274,6 +293,8 @@ async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid:
             f"| {r.throughput[0]:.0f} | {r.throughput[1]:.0f} "
             f"| {r.throughput[1] / r.throughput[0]:.3f} ({r.noise_ratio:.3f}) |"
         )
+    if args.bare:
+        return
     count, total = overhead_seconds(url)
     p50, p99 = router_cost_us(jobs)
     print(
@@ -300,7 +321,12 @@ def main() -> None:
         action="store_true",
         help="tiers that answer at once instead of engines: the hop's cost alone",
     )
+    parser.add_argument(
+        "--bare", action="store_true", help="with --canned: loadtests/bare_proxy.py, the floor"
+    )
     args = parser.parse_args()
+    if args.bare and not args.canned:
+        parser.error("--bare needs --canned")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         children = []
@@ -315,7 +341,10 @@ def main() -> None:
 
             model = args.model or init_checkpoint(workdir / "bench-moe")
             tier = {"engine": "embedded", "model": str(model), "threads": 1}
-        process, url, tier_root = start_gateway(tier, workdir)
+        if args.bare:
+            process, url, tier_root = start_bare_proxy(tier["base_url"].removesuffix("/v1"))
+        else:
+            process, url, tier_root = start_gateway(tier, workdir)
         children.insert(0, process)
         try:
             asyncio.run(bench(args, url, tier_root, process.pid))
