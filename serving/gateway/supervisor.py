@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 # A tier healthy this long after a restart has recovered: the backoff starts over.
 _STABLE_S = 60.0
-# A starting tier is probed this often (a refused connection costs nothing), so it serves
-# as soon as it answers rather than up to a health interval later.
+# A tier process just started is probed this often (a refused connection on the loopback
+# costs nothing), so it serves as soon as it answers rather than up to an interval later.
 _STARTING_PROBE_S = 0.1
 
 
@@ -155,7 +155,7 @@ class Supervisor:
             elif upstream.state != TierState.STARTING:
                 upstream.state = TierState.UNHEALTHY
             interval = self.config.health_interval_s
-            if upstream.state == TierState.STARTING:
+            if process is not None and upstream.state == TierState.STARTING:
                 interval = min(interval, _STARTING_PROBE_S)
             with contextlib.suppress(asyncio.TimeoutError):
                 # Wake at once when the process dies, else poll health at the interval.
