@@ -20,7 +20,6 @@ widen it to fp32) and dequantized at load to fp32 (`--dtype float32`).
 import argparse
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -109,8 +108,10 @@ def main() -> None:
     for name, (path, dtype, keep_fp4) in rows.items():
         model = load_checkpoint(path, dtype, keep_fp4=keep_fp4)
         nbytes[name] = weight_bytes(model)
-        config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024)
-        engines[name] = LLMEngine(model, replace(config, enforce_eager=not args.model), [])
+        config = EngineConfig(
+            max_num_seqs=64, max_num_batched_tokens=1024, enforce_eager=not args.model
+        )
+        engines[name] = LLMEngine(model, config, [])
         if engines[name].runner.graphs:
             engines[name].runner.graphs.wait()
     vocab = engines["fp32"].runner.model.config.vocab_size
