@@ -8,10 +8,11 @@ modules kept (`keep_fp4=True`, dequantizing per step) and as the CPU loads them 
 dequantized once at load to bf16. Prints the resident weight memory of each and its decode
 tokens/s (tokens generated once every request has its first token, over that time).
 
-With `--model DIR` (an FP4 checkpoint, e.g. models/demo-highspeed) it compares the two ways
-that checkpoint serves on this CPU instead, compiled as a server runs them: as `--dtype auto`
-loads it (dequantized to bf16 where the CPU has native bf16, kept FP4 where `auto` would
-widen it to fp32) and dequantized at load to fp32 (`--dtype float32`).
+With `--model DIR` (an FP4 checkpoint, e.g. models/demo-highspeed) it compares the ways
+that checkpoint can serve on this CPU instead, compiled as a server runs them: as `--dtype
+auto` loads it (dequantized to bf16 where the CPU has native bf16; where `auto` computes in
+fp32, the experts held in bf16 and widened per step), with its FP4 experts kept (dequantized
+per step), and dequantized at load to fp32 (`--dtype float32`).
 
     python loadtests/bench_fp4_engine.py [--concurrency 1 4 16] [--new-tokens 128]
     python loadtests/bench_fp4_engine.py --model models/demo-highspeed --concurrency 1 4
@@ -101,7 +102,11 @@ def main() -> None:
     full = args.model or build_checkpoint(args.checkpoint)
     engines, nbytes = {}, {}
     if args.model:
-        rows = {"fp32": (full, "float32", None), "auto": (full, "auto", None)}
+        rows = {
+            "fp32": (full, "float32", None),
+            "auto": (full, "auto", None),
+            "auto, FP4 kept": (full, "auto", True),
+        }
     else:
         paths = variant_checkpoints(full)
         rows = {name: (paths[variant], *how) for name, (variant, *how) in ROWS.items()}

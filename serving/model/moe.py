@@ -54,12 +54,15 @@ def grouped_experts(
       every expert's weights once instead of E small calls;
     - otherwise (prefill, or few experts in use) each used expert runs one product over its
       exact, contiguous slice, wasting nothing on padding.
+
+    Expert weights stored narrower than x (an FP4 checkpoint's experts held in bf16 on a CPU
+    that computes in fp32) are widened as they are used, only the experts a step runs.
     """
     if x.shape[0] == 1:
         y = None
         # Weights rounded to the activations' dtype first, as transformers does.
         for e, w in zip(experts[0].tolist(), weights[0].to(x.dtype), strict=True):
-            o = silu_and_mul(x @ gate_up[e].t()) @ down[e].t() * w
+            o = silu_and_mul(x @ gate_up[e].to(x.dtype).t()) @ down[e].to(x.dtype).t() * w
             y = o if y is None else y + o
         return y
     num_experts = gate_up.shape[0]
@@ -79,6 +82,7 @@ def grouped_experts(
         )
         slot = sorted_experts * capacity + rank  # row in the [E * capacity] padded layout
         padded = x.new_zeros(num_experts * capacity, x.shape[-1]).index_copy_(0, slot, xs)
+        gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)
         h = silu_and_mul(torch.bmm(padded.view(num_experts, capacity, -1), gate_up.transpose(1, 2)))
         out = torch.bmm(h, down.transpose(1, 2)).flatten(0, 1).index_select(0, slot)
     else:
@@ -87,7 +91,8 @@ def grouped_experts(
         for e, n in enumerate(counts.tolist()):
             if n:
                 seg = slice(start, start + n)
-                out[seg] = silu_and_mul(xs[seg] @ gate_up[e].t()) @ down[e].t()
+                w1, w2 = gate_up[e].to(x.dtype), down[e].to(x.dtype)
+                out[seg] = silu_and_mul(xs[seg] @ w1.t()) @ w2.t()
                 start += n
     return torch.zeros_like(x).index_add_(0, token_of, out * slot_weights)
 

@@ -148,14 +148,16 @@ def test_cpu_dequantizes_fp4_at_load_into_the_same_weights(quantized, tmp_path, 
 
 
 @pytest.mark.parametrize("bf16_native", [False, True])
-def test_auto_keeps_fp4_rather_than_widen_it_past_bf16(
-    quantized, tmp_path, monkeypatch, bf16_native
+@pytest.mark.parametrize("all_linear", [False, True])
+def test_auto_holds_fp4_weights_in_the_checkpoint_dtype(
+    quantized, tmp_path, monkeypatch, bf16_native, all_linear
 ):
-    """A bf16 FP4 checkpoint under `auto`: dequantized to bf16 where the CPU computes bf16;
-    where it cannot (auto falls back to fp32) it stays FP4, under a bf16 model's memory; an
-    explicit float32 still dequantizes."""
+    """A bf16 FP4 checkpoint under `auto`: dequantized to bf16 where the CPU computes bf16.
+    Where it cannot (auto falls back to fp32), FP4 experts are held in bf16 and widened per
+    step, the rest computes in fp32, with the FP4 model's logits to bf16's precision; FP4
+    linear layers stay FP4. An explicit float32 dequantizes everything to fp32."""
     path = tmp_path / "bf16-fp4"
-    shutil.copytree(quantized["nvfp4", False], path)
+    shutil.copytree(quantized["nvfp4", all_linear], path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
     monkeypatch.setattr(
@@ -163,15 +165,22 @@ def test_auto_keeps_fp4_rather_than_widen_it_past_bf16(
         lambda dtype, device=None: dtype == torch.float32 or bf16_native,
     )
     auto = load_checkpoint(path, "auto")
-    kept = isinstance(auto.layers[0].mlp.gate_up, QuantizedWeight)
-    assert kept != bf16_native
-    assert auto.embed_tokens.weight.dtype == (torch.bfloat16 if bf16_native else torch.float32)
+    compute = torch.bfloat16 if bf16_native else torch.float32
+    assert auto.embed_tokens.weight.dtype == compute
+    experts = auto.layers[0].mlp.gate_up
+    kept = not bf16_native and all_linear
+    assert isinstance(experts, QuantizedWeight) == kept
+    if not kept:
+        assert experts.dtype == torch.bfloat16
+        assert auto.config.quantization is None
     if not bf16_native:
+        long_prompts = [p for p in prompts(20, TINY_MOE["vocab_size"], seed=8) if len(p) >= 16]
+        ids = torch.tensor([p[:16] for p in long_prompts[:4]])
+        fp4 = logits(load_checkpoint(path, "auto", keep_fp4=True), ids)
+        torch.testing.assert_close(logits(auto, ids), fp4, atol=0.05, rtol=0.02)
         plain = load_checkpoint(path, "float32")
         assert plain.config.quantization is None
-        size = sum(t.numel() * t.element_size() for t in auto.state_dict().values())
-        bf16_size = sum(t.numel() * 2 for t in plain.state_dict().values())
-        assert size < bf16_size
+        assert plain.layers[0].mlp.gate_up.dtype == torch.float32
 
 
 def test_quality_against_full_precision(full, quantized):
