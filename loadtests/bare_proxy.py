@@ -1,7 +1,8 @@
 """The least a hop can cost: a raw ASGI app under uvicorn that forwards each POST to one
 upstream over aiohttp and relays the answer's bytes as they arrive, with no parsing,
-routing, limits, logging or metrics. `bench_gateway.py --canned --bare` puts it where the
-gateway would be, so its added latency is the floor a Python HTTP proxy has on the machine.
+routing, limits, logging or metrics. `bench_gateway.py --canned` runs it beside the gateway, in
+front of the same tier, so its added latency is the floor a Python HTTP proxy has on the
+machine, measured in the same run.
 
     python loadtests/bare_proxy.py --port 8200 --upstream http://127.0.0.1:8101
 """

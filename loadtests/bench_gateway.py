@@ -15,12 +15,15 @@ with `ignore_eos`, so both paths do exactly the same work.
   tokens over wall time, the added latency the difference of the two distributions, and
   the two direct phases compared with each other give the noise floor.
 
-Also prints the gateway's own overhead histogram (parse, route, annotate) and the router's
-cost per request. With `--canned --bare`, `loadtests/bare_proxy.py` (a raw ASGI app relaying
-bytes over aiohttp, nothing else) stands where the gateway would: the floor of a Python hop
-on this machine. Run:
+With --canned, `loadtests/bare_proxy.py` (a raw ASGI app relaying bytes over aiohttp, nothing
+else) runs beside the gateway in front of the same tier and takes its turn at concurrency 1
+too: what it adds is the floor of a Python hop on this machine, measured in the same run as
+the gateway (this machine's speed moves by 2x between spells).
 
-    python loadtests/bench_gateway.py [--model DIR | --canned [--bare]] [--stream] [--max-tokens 32]
+Also prints the gateway's own overhead histogram (parse, route, annotate) and the router's
+cost per request. Run:
+
+    python loadtests/bench_gateway.py [--model DIR | --canned] [--stream] [--max-tokens 32]
 """
 
 import argparse
@@ -90,7 +93,7 @@ def start_gateway(tier: dict, workdir: Path) -> tuple[subprocess.Popen, str, str
         time.sleep(0.5)
 
 
-def start_bare_proxy(tier_root: str) -> tuple[subprocess.Popen, str, str]:
+def start_bare_proxy(tier_root: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     script = Path(__file__).with_name("bare_proxy.py")
     command = [sys.executable, str(script), "--port", str(port), "--upstream", tier_root]
@@ -98,12 +101,11 @@ def start_bare_proxy(tier_root: str) -> tuple[subprocess.Popen, str, str]:
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
-            if httpx.get(f"{tier_root}/health", timeout=2).is_success:
-                httpx.get(f"{url}/health", timeout=2).raise_for_status()
-                return process, url, tier_root
+            httpx.get(f"{url}/health", timeout=2).raise_for_status()
+            return process, url
         except httpx.HTTPError:
             time.sleep(0.2)
-    raise SystemExit("the bare proxy or the canned tier did not start")
+    raise SystemExit("the bare proxy did not start")
 
 
 class Target:
@@ -198,19 +200,24 @@ class Row:
     noise: tuple[float, float]  # the same measured between two direct runs (A/A), s
     throughput: tuple[float, float]  # direct, gateway tok/s
     noise_ratio: float  # throughput of one direct run over the other
+    floor: tuple[float, float] | None = None  # p50, p99 of what the bare proxy adds, s
 
 
-async def sequential(direct: Target, gateway: Target, jobs: list[Job], stream: bool) -> Row:
-    """Concurrency 1: each job direct, through the gateway, and direct again, in a rotating
-    order; differences within a job cancel drift in machine load."""
+async def sequential(
+    direct: Target, gateway: Target, bare: Target | None, jobs: list[Job], stream: bool
+) -> Row:
+    """Concurrency 1: each job direct, through the gateway (and the bare proxy), and direct
+    again, in a rotating order; differences within a job cancel drift in machine load."""
     runs: list[dict[str, float]] = []
     for i, job in enumerate(jobs):
         order = [("direct", direct), ("gateway", gateway), ("again", direct)]
-        order = order[i % 3 :] + order[: i % 3]
+        order += [("bare", bare)] if bare else []
+        order = order[i % len(order) :] + order[: i % len(order)]
         runs.append({name: (await target.request(job, stream))[0] for name, target in order})
     tokens = sum(n for _, n in jobs)
     added = [r["gateway"] - r["direct"] for r in runs]
     noise = [r["again"] - r["direct"] for r in runs]
+    floor = [r["bare"] - r["direct"] for r in runs] if bare else None
 
     def tput(name: str) -> float:
         return tokens / sum(r[name] for r in runs)
@@ -223,6 +230,7 @@ async def sequential(direct: Target, gateway: Target, jobs: list[Job], stream: b
         (percentile(noise, 50), percentile(noise, 99)),
         (tput("direct"), tput("gateway")),
         tput("again") / tput("direct"),
+        floor and (percentile(floor, 50), percentile(floor, 99)),
     )
 
 
@@ -254,19 +262,24 @@ async def alternating(
     return row, cpu / len(lat["gateway"])
 
 
-async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid: int) -> None:
+async def bench(
+    args: argparse.Namespace, url: str, tier_root: str, gateway_pid: int, bare_url: str | None
+) -> None:
     # Idle connections expire before the servers' 5 s keep-alive closes them.
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256, keepalive_expiry=2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         direct = Target("direct", tier_root, "bench-full", client)
         gateway = Target("gateway", url, "auto", client)
+        bare = Target("bare", bare_url, "bench-full", client) if bare_url else None
         jobs = make_jobs(args.requests, args.max_tokens)
-        await phase(direct, jobs[:4], 4, args.stream)  # warm up both
-        await phase(gateway, jobs[:4], 4, args.stream)
+        for target in (direct, gateway, bare):  # warm up
+            if target is not None:
+                await phase(target, jobs[:4], 4, args.stream)
         rows, cpu_per_request = [], None
         for concurrency in args.concurrency:
             if concurrency == 1:
-                rows.append(await sequential(direct, gateway, jobs[: args.pairs], args.stream))
+                pairs = jobs[: args.pairs]
+                rows.append(await sequential(direct, gateway, bare, pairs, args.stream))
             else:
                 row, cpu_per_request = await alternating(
                     direct, gateway, jobs, concurrency, args.stream, gateway_pid
@@ -274,27 +287,28 @@ async def bench(args: argparse.Namespace, url: str, tier_root: str, gateway_pid:
                 rows.append(row)
     mode = "streaming" if args.stream else "whole responses"
     mode += " from canned tiers (the hop alone)" if args.canned else " from engine tiers"
-    mode += ", through the bare proxy instead of the gateway" if args.bare else ""
     print(
         f"\n{mode}, {args.max_tokens // 2}-{3 * args.max_tokens // 2} output tokens per "
-        "request, greedy; A/A: the same figure between two direct runs (the noise floor)\n"
+        "request, greedy; A/A: the same figure between two direct runs (the noise floor)"
+        + ("; bare proxy: what loadtests/bare_proxy.py adds (the floor)" if bare_url else "")
+        + "\n"
     )
     print(
         "| concurrency | direct p50 ms | gateway p50 ms | added p50 ms (A/A) | added p99 ms "
-        "(A/A) | direct tok/s | gateway tok/s | throughput ratio (A/A) |"
+        "(A/A) | bare proxy added p50 / p99 ms | direct tok/s | gateway tok/s "
+        "| throughput ratio (A/A) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        floor = f"{1000 * r.floor[0]:.2f} / {1000 * r.floor[1]:.2f}" if r.floor else "-"
         print(
             f"| {r.concurrency} | {1000 * percentile(r.direct, 50):.1f} "
             f"| {1000 * percentile(r.gateway, 50):.1f} "
             f"| {1000 * r.added[0]:.2f} ({1000 * r.noise[0]:.2f}) "
-            f"| {1000 * r.added[1]:.2f} ({1000 * r.noise[1]:.2f}) "
+            f"| {1000 * r.added[1]:.2f} ({1000 * r.noise[1]:.2f}) | {floor} "
             f"| {r.throughput[0]:.0f} | {r.throughput[1]:.0f} "
             f"| {r.throughput[1] / r.throughput[0]:.3f} ({r.noise_ratio:.3f}) |"
         )
-    if args.bare:
-        return
     count, total = overhead_seconds(url)
     p50, p99 = router_cost_us(jobs)
     print(
@@ -321,12 +335,7 @@ def main() -> None:
         action="store_true",
         help="tiers that answer at once instead of engines: the hop's cost alone",
     )
-    parser.add_argument(
-        "--bare", action="store_true", help="with --canned: loadtests/bare_proxy.py, the floor"
-    )
     args = parser.parse_args()
-    if args.bare and not args.canned:
-        parser.error("--bare needs --canned")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         children = []
@@ -341,13 +350,14 @@ def main() -> None:
 
             model = args.model or init_checkpoint(workdir / "bench-moe")
             tier = {"engine": "embedded", "model": str(model), "threads": 1}
-        if args.bare:
-            process, url, tier_root = start_bare_proxy(tier["base_url"].removesuffix("/v1"))
-        else:
-            process, url, tier_root = start_gateway(tier, workdir)
+        process, url, tier_root = start_gateway(tier, workdir)
         children.insert(0, process)
+        bare_url = None
+        if args.canned:
+            bare, bare_url = start_bare_proxy(tier_root)
+            children.append(bare)
         try:
-            asyncio.run(bench(args, url, tier_root, process.pid))
+            asyncio.run(bench(args, url, tier_root, process.pid, bare_url))
         finally:
             for child in children:
                 os.kill(child.pid, signal.SIGTERM)
