@@ -66,11 +66,12 @@ def load_checkpoint(
     they are dequantized once, at load, to `dtype`: that serves at the speed of the
     unquantized model (FP4 per step costs 23-50% of decode speed, README "The CPU path"), in
     the memory of a `dtype` checkpoint. Where `auto` computes wider than the checkpoint's
-    dtype (a bf16 checkpoint on a CPU without native bf16: fp32), FP4 experts dequantize to
-    the checkpoint's dtype instead and are widened per step, only the experts in use: bf16's
-    memory for them (fp32 would double it) at ~0.9x fp32's speed, where FP4 per step runs at
-    ~0.6x. FP4 linear layers (`--all-linear`) stay FP4 there. A dtype named explicitly
-    dequantizes everything to it. `keep_fp4` overrides the choice."""
+    dtype (a bf16 checkpoint on a CPU without native bf16: fp32), the FP4 experts dequantize
+    to the checkpoint's dtype instead, and every expert weight (an MTP block's too) is held
+    there and widened per step, only the experts in use: bf16's memory for them (fp32 would
+    double it) at 0.97-0.99x fp32's speed, where FP4 per step runs at ~0.6x. FP4 linear layers
+    (`--all-linear`) stay FP4 there. A dtype named explicitly dequantizes everything to it.
+    `keep_fp4` overrides the choice."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
