@@ -14,6 +14,7 @@ from serving.engine import llm_engine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint, quantize_checkpoint
 from serving.model.decode_graphs import graph_sizes
+from serving.model.paged import TokenSpan
 from serving.model.sampling import SamplingParams
 from speculative.config import SpeculativeConfig
 from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
@@ -104,3 +105,43 @@ def test_verify_steps_run_in_the_graph_one_row_per_token(tmp_path: Path, monkeyp
     assert got == want
     assert any(rows > seqs for rows, seqs in steps)  # a sequence's token and its drafts
     assert compiled.speculator.stats.num_draft_tokens > 0
+
+
+@pytest.mark.slow
+def test_bf16_graphs_match_eager_steps(tmp_path: Path, monkeypatch, any_dtype_native):
+    """Half-precision graphs freeze the weights into inductor's C++ GEMMs and compute the
+    experts in the graph (`gathered_experts`): a decode step's hidden states and the keys and
+    values it writes match an eager step's to bf16's precision (greedy tokens may part on near
+    ties, so the step is compared, not the tokens)."""
+    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [4])
+    ckpt = save_tiny_moe(tmp_path / "tiny-moe")
+    engine = LLMEngine(
+        load_checkpoint(ckpt, torch.bfloat16),
+        EngineConfig(max_num_seqs=4, enforce_eager=False),
+        eos_token_ids=[],
+    )
+    graphs = engine.runner.graphs
+    graphs.wait()
+    assert graphs.num_ready == 1
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts(3, TINY_MOE["vocab_size"], seed=5)):
+        engine.add_request(f"r{i}", p, params)
+    engine.step()  # the prefills (eager)
+    seqs = list(engine.scheduler.running)
+    assert len(seqs) == 3 and all(s.num_output_tokens == 1 for s in seqs)
+    spans = [TokenSpan(s.block_table, len(s) - 1, [s.token_ids[-1]]) for s in seqs]
+    ids, positions, meta = engine.runner.prepare(spans)
+    layers = engine.model.layers
+    with torch.inference_mode():
+        eager = engine.model(ids, positions, meta)
+        eager_keys = [layer.self_attn.k_cache.clone() for layer in layers]
+        compiled = graphs.run(
+            [s.token_ids[0] for s in spans],
+            [s.start for s in spans],
+            [s.block_table for s in spans],
+        )
+    assert compiled.dtype == torch.bfloat16
+    torch.testing.assert_close(compiled.float(), eager.float(), rtol=3e-2, atol=3e-2)
+    for layer, keys in zip(layers, eager_keys, strict=True):
+        torch.testing.assert_close(layer.self_attn.k_cache, keys, rtol=3e-2, atol=3e-2)
