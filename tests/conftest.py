@@ -70,3 +70,15 @@ def any_dtype_native(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every dtype counts as native (`serving/model/dtype.py` refuses a named one the machine
     lacks): paths that name bfloat16 run on any CPU, emulated, with the same numerics."""
     monkeypatch.setattr("serving.model.dtype.is_supported", lambda dtype, device=None: True)
+
+
+@pytest.fixture
+def no_native_float16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine has no native float16 matmul, as most CPUs (AVX512-FP16 and AMX-FP16 CPUs
+    have one): the refusal of a dtype the machine lacks runs everywhere."""
+    from serving.model import dtype
+
+    native = dtype.is_supported
+    monkeypatch.setattr(
+        dtype, "is_supported", lambda t, device=dtype.CPU: t != torch.float16 and native(t, device)
+    )

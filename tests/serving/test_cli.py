@@ -1,6 +1,5 @@
 """The `tierserve` command line: offline generation and one-line errors."""
 
-import re
 from pathlib import Path
 
 import pytest
@@ -47,12 +46,8 @@ def test_generate_in_bfloat16(random_checkpoint: Path, capsys: pytest.CaptureFix
     assert capsys.readouterr().out.strip()
 
 
-@pytest.mark.skipif(
-    re.search(r"\b(avx512_fp16|amx_fp16)\b", Path("/proc/cpuinfo").read_text()) is not None,
-    reason="this CPU computes in float16",
-)
 def test_a_dtype_the_cpu_lacks_is_one_line(
-    random_checkpoint: Path, capsys: pytest.CaptureFixture
+    random_checkpoint: Path, capsys: pytest.CaptureFixture, no_native_float16: None
 ) -> None:
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", str(random_checkpoint), "--dtype", "float16", "hi"])

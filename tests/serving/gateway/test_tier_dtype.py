@@ -1,7 +1,6 @@
 """A tier's `dtype` and `enforce_eager` reach its engine's command line, and a dtype the CPU
 lacks stops the gateway before it starts anything."""
 
-import re
 from pathlib import Path
 
 import pytest
@@ -35,10 +34,8 @@ def test_tier_enforce_eager_is_passed_to_the_engine(random_checkpoint: Path) -> 
     assert args.enforce_eager
 
 
-@pytest.mark.skipif(
-    re.search(r"\b(avx512_fp16|amx_fp16)\b", Path("/proc/cpuinfo").read_text()) is not None,
-    reason="this CPU computes in float16",
-)
-def test_a_tier_dtype_the_cpu_lacks_is_a_config_error(random_checkpoint: Path) -> None:
+def test_a_tier_dtype_the_cpu_lacks_is_a_config_error(
+    random_checkpoint: Path, no_native_float16: None
+) -> None:
     with pytest.raises(GatewayConfigError, match=r"tiers\.full: .*float16"):
         check_checkpoints(_config(random_checkpoint, "float16"))
