@@ -61,18 +61,19 @@ def inductor_config(dtype: torch.dtype) -> contextlib.AbstractContextManager:
 
     A bf16 or fp16 product on a CPU goes to oneDNN, which costs ~20 us a call however small
     (fp32's MKL call ~6 us at a decode step's sizes): most of a one-stream step. Frozen, the
-    weights are graph constants that inductor repacks for its C++ GEMM template (AMX or
-    AVX-512 micro-kernels), which `max_autotune` picks where it beats oneDNN. The price, paid
-    only in half precision: each graph holds its own packed copy of the dense weights (not the
-    experts', which stay an op's arguments), and frozen graphs skip inductor's disk cache, so
-    every start compiles them anew (in the background, as always). fp32 gains nothing from it
-    (measured: 2.92 against 2.99 ms a step), so it keeps the cache. The config is
-    process-wide, so it is set only while this thread compiles."""
+    weights are graph constants that inductor repacks for its C++ GEMM template (AMX, AVX-512
+    or AVX2 micro-kernels), the only backend offered, so nothing is benchmarked at compile
+    time (with oneDNN's as a second choice, autotuning kept it for some products and steps of
+    4 and 16 sequences were 15-30% slower). The price, paid only in half precision: each graph
+    holds its own packed copy of the dense weights (the experts are read in place), and frozen
+    graphs skip inductor's disk cache, so every start compiles them anew (in the background,
+    as always). fp32 gains nothing from it (measured: 2.92 against 2.99 ms a step), so it keeps
+    the cache. The config is process-wide, so it is set only while this thread compiles."""
     from torch._inductor import config  # imported in the compile thread, as dynamo is
 
     if dtype == torch.float32:
         return contextlib.nullcontext()
-    return config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+    return config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
 
 
 @dataclass
