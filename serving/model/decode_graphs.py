@@ -158,7 +158,7 @@ class DecodeGraphs:
             # One cache entry per size and model (a process may hold several engines);
             # dynamo's config is per thread.
             torch._dynamo.config.recompile_limit = 64
-            with inductor_config(self.buffers.mask.dtype):
+            with inductor_config(model.embed_tokens.weight.dtype):
                 for padding in inputs:
                     self._call(padding)
                     self.num_ready += 1
