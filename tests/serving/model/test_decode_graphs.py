@@ -110,9 +110,9 @@ def test_verify_steps_run_in_the_graph_one_row_per_token(tmp_path: Path, monkeyp
 @pytest.mark.slow
 def test_bf16_graphs_match_eager_steps(tmp_path: Path, monkeypatch, any_dtype_native):
     """Half-precision graphs freeze the weights into inductor's C++ GEMMs and compute the
-    experts in the graph (`gathered_experts`): a decode step's hidden states and the keys and
-    values it writes match an eager step's to bf16's precision (greedy tokens may part on near
-    ties, so the step is compared, not the tokens)."""
+    experts in the graph (`gathered_experts`): a decode step's hidden states and the keys it
+    writes match an eager step's to bf16's precision (greedy tokens may part on near ties, so
+    the step is compared, not the tokens)."""
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [4])
     ckpt = save_tiny_moe(tmp_path / "tiny-moe")
