@@ -15,8 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving.model.attention import AttentionMetadata, paged_attention, write_kv
+from serving.model.attention import (
+    AttentionMetadata,
+    graph_decode_attention,
+    paged_attention,
+    write_kv,
+)
 from serving.model.config import ModelConfig
+from serving.model.linear import Linear
 from serving.model.moe import DenseMLP, SparseMoE
 
 
@@ -90,8 +96,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         bias = config.attention_bias
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_cache: torch.Tensor | None = None  # set by the model runner
@@ -128,6 +134,8 @@ class Attention(nn.Module):
                 scale=self.scale,
                 enable_gqa=True,
             ).transpose(1, 2)
+        elif meta.in_graph:
+            o = graph_decode_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         elif meta.decode_only and meta.decode_mask is not None:  # SDPA's path (not Triton's)
             o = torch.ops.tierserve.paged_decode(
                 q,
@@ -183,7 +191,7 @@ class MTPLayer(nn.Module):
         eps = config.rms_norm_eps
         self.enorm = RMSNorm(config.hidden_size, eps)
         self.hnorm = RMSNorm(config.hidden_size, eps)
-        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.block = DecoderLayer(config, 0)
         self.norm = RMSNorm(config.hidden_size, eps)
 
@@ -221,7 +229,7 @@ class CausalLM(nn.Module):
             DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         n_mtp = config.mtp.num_layers if config.mtp else 0
@@ -305,15 +313,21 @@ class CausalLM(nn.Module):
         return out
 
 
-def pack_for_inference(model: CausalLM) -> None:
+def pack_for_inference(model: CausalLM, decoder_layers: bool = True) -> None:
     """Lay every weight matrix out transposed in memory, logical shapes unchanged.
 
     `x @ W.t()` then reads `W.t()` as a plain row-major matrix, which CPU BLAS streams
     1.5-2x faster at decode sizes than a transposed operand (`loadtests/bench_gemm.py`).
     The embedding keeps its layout (its rows are gathered), and so does a head tied to it.
+    `decoder_layers=False` leaves the decoder layers as checkpoints lay them out, for compiled
+    decode steps, which read their projections as reductions (`serving/model/linear.py`) and
+    their experts in place (`gathered_experts`), both fastest on row-major weights.
     """
     embed = model.embed_tokens.weight
+    kept = set() if decoder_layers else set(model.layers.modules())
     for module in model.modules():
+        if module in kept:
+            continue
         for name, p in list(module.named_parameters(recurse=False)):
             if p.dim() >= 2 and p is not embed:
                 packed = p.detach().transpose(-1, -2).contiguous().transpose(-1, -2)

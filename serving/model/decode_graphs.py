@@ -2,7 +2,10 @@
 
 A decode step of a small model on a CPU is bound by per-operation overhead: thousands of
 small ATen calls and the Python between them. `torch.compile` (inductor's C++ code) turns
-the forward into a few fused kernels and the projections' GEMMs, but only for fixed shapes.
+the forward into a few fused kernels, but only for fixed shapes. In fp32 the projections
+are written as reductions (`serving/model/linear.py`) and each token's experts are read in
+place (`gathered_experts`): fused loops that stream row-major weights faster than BLAS's
+products of a few rows; half-precision graphs use inductor's GEMM templates instead.
 So, as vLLM does with CUDA graphs, decode steps are padded to the next of a few batch
 sizes and each size has its own graph (`dynamic=False`). A step of several tokens per
 sequence (drafts to verify, a short prefill chunk) takes one row per token
@@ -11,8 +14,9 @@ sequence (drafts to verify, a short prefill chunk) takes one row per token
 Inputs live in preallocated buffers: token ids, positions, slots, context lengths, block
 tables padded to the longest a sequence can have, and the attention mask. Padding rows
 write their keys and values to a scratch block that no sequence owns, so they never
-touch real cache entries. Attention and the experts stay eager code behind `torch.library`
-ops (`tierserve::paged_decode`, `tierserve::moe_experts`) that the graphs call.
+touch real cache entries. Steps of up to 4 sequences attend in the graph
+(`graph_decode_attention`), the block tables' width a dynamic dimension; larger ones call
+SDPA's kernel behind a `torch.library` op (`tierserve::paged_decode`) as eager code.
 
 Graphs are compiled when the engine starts, in a background thread, smallest size first;
 until a size is ready its batches run eagerly. Compiling first would hold the server's
@@ -35,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from serving.model.attention import AttentionMetadata, padded_tables
+from serving.model.attention import GRAPH_ATTENTION_MAX_SEQS, AttentionMetadata, padded_tables
 from serving.model.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -207,16 +211,24 @@ class DecodeGraphs:
         return self._call(pad)[:b]
 
     def _call(self, inputs: _Inputs) -> torch.Tensor:
-        """The compiled forward; the mask is filled as far as the longest context needs."""
-        keys = -(-int(inputs.context_lens.max()) // self.block_size) * self.block_size
-        inputs.mask[:, 0, 0, :keys].zero_().masked_fill_(
-            self.key_positions[:keys] >= inputs.context_lens[:, None], float("-inf")
-        )
+        """The compiled forward. Few sequences attend in the graph over block tables cut to the
+        longest context (at least 2 blocks: dynamo specializes a dimension of size 1); more
+        attend in the `paged_decode` op, whose mask is filled as far as that context needs."""
+        blocks = max(2, -(-int(inputs.context_lens.max()) // self.block_size))
         meta = AttentionMetadata(
             slot_mapping=inputs.slots,
             num_decodes=inputs.ids.shape[0],
             decode_block_tables=inputs.block_tables,
             decode_context_lens=inputs.context_lens,
-            decode_mask=inputs.mask,
         )
+        if meta.num_decodes <= GRAPH_ATTENTION_MAX_SEQS:
+            meta.in_graph = True
+            meta.decode_block_tables = inputs.block_tables[:, :blocks]
+            torch._dynamo.mark_dynamic(meta.decode_block_tables, 1)
+        else:
+            keys = blocks * self.block_size
+            inputs.mask[:, 0, 0, :keys].zero_().masked_fill_(
+                self.key_positions[:keys] >= inputs.context_lens[:, None], float("-inf")
+            )
+            meta.decode_mask = inputs.mask
         return self.forward(inputs.ids, inputs.positions, meta)

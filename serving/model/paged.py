@@ -76,8 +76,9 @@ class TokenSpan:
 
 
 class PagedModel:
-    """Takes the model over for inference: its weights are packed (`pack_for_inference`) and
-    frozen, and KV cache tensors are attached to its attention modules (MTP layers too)."""
+    """Takes the model over for inference: its weights are packed (`pack_for_inference`; the
+    decoder layers' only where no compiled decode step reads them) and frozen, and KV cache
+    tensors are attached to its attention modules (MTP layers too)."""
 
     def __init__(
         self,
@@ -102,7 +103,7 @@ class PagedModel:
             graph_sizes = None
         # Compiled steps pad their batch with rows that write to one extra, unowned block.
         shape = (num_blocks + bool(graph_sizes), block_size, cfg.num_key_value_heads, cfg.head_dim)
-        pack_for_inference(model)
+        pack_for_inference(model, decoder_layers=not graph_sizes)
         blocks = [*model.layers, *(mtp.block for mtp in model.mtp)]
         for layer in blocks:
             attn = layer.self_attn

@@ -1,5 +1,5 @@
-"""The experts of a compiled half-precision decode step (`gathered_experts`) against the
-grouped experts that every other step runs."""
+"""The experts of a compiled decode step (`gathered_experts`) against the grouped experts that
+every other step runs."""
 
 import pytest
 import torch

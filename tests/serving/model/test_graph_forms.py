@@ -1,0 +1,81 @@
+"""What a compiled decode step writes out instead of calling an op, against what the other
+steps run: projections as reductions (`serving/model/linear.py`) and decode attention in the
+graph (`graph_decode_attention`) over block tables of any width, with no recompilation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from serving.model.attention import (
+    AttentionMetadata,
+    decode_attention,
+    graph_decode_attention,
+    length_mask,
+    write_kv,
+)
+from serving.model.linear import Linear, reduces
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32, 33])
+def test_compiled_projection_is_the_linear(rows: int):
+    """Up to the largest graph's 32 rows a compiled projection is a reduction; past them (and
+    eager) the product."""
+    g = torch.Generator().manual_seed(rows)
+    layer = Linear(48, 80, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(80, 48, generator=g))
+        layer.bias.copy_(torch.randn(80, generator=g))
+    x = torch.randn(rows, 48, generator=g)
+    traced: list[bool] = []
+
+    def project(x: torch.Tensor) -> torch.Tensor:
+        traced.append(reduces(x))
+        return layer(x)
+
+    with torch.inference_mode():
+        got = torch.compile(project, dynamic=False, fullgraph=True)(x)
+    assert traced == [rows <= 32]
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+    with torch.inference_mode():
+        assert not reduces(x)  # eager
+
+
+def _cache(blocks: int, block_size: int, kv_heads: int, d: int, g: torch.Generator):
+    return (
+        torch.randn(blocks, block_size, kv_heads, d, generator=g),
+        torch.randn(blocks, block_size, kv_heads, d, generator=g),
+    )
+
+
+def test_graph_attention_matches_sdpa_at_every_context_without_recompiling():
+    """One compiled function, called with contexts of 2 to 9 blocks (the width dynamic), gives
+    what the op's SDPA path gives, and writes the step's keys and values where it does."""
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, d, bs, num_blocks = 3, 4, 2, 16, 4, 40
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:12] for _ in range(b)])
+    compiled = torch.compile(graph_decode_attention, dynamic=False, fullgraph=True)
+    frames = None
+    for lens in ([5, 8, 2], [7, 20, 13], [33, 3, 30], [36, 35, 1]):
+        lens = torch.tensor(lens)
+        width = max(2, -(-int(lens.max()) // bs))
+        slots = tables[torch.arange(b), (lens - 1) // bs] * bs + (lens - 1) % bs
+        q = torch.randn(b, heads, d, generator=g)
+        k, v = torch.randn(b, kv_heads, d, generator=g), torch.randn(b, kv_heads, d, generator=g)
+        k_cache, v_cache = _cache(num_blocks, bs, kv_heads, d, g)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        meta = AttentionMetadata(
+            slots, b, tables[:, :width], decode_context_lens=lens, in_graph=True
+        )
+        torch._dynamo.mark_dynamic(meta.decode_block_tables, 1)
+        with torch.inference_mode():
+            got = compiled(q, k, v, k_cache, v_cache, meta, d**-0.5)
+            write_kv(k_ref, v_ref, k, v, slots)
+            mask = length_mask(lens, tables.shape[1] * bs, torch.float32)
+            want = decode_attention(q, k_ref, v_ref, tables, lens, mask, d**-0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k_cache, k_ref)
+        torch.testing.assert_close(v_cache, v_ref)
+        if frames is None:
+            frames = counters["frames"]["total"]
+    assert counters["frames"]["total"] == frames  # widths 2-9: the first graph served them all
