@@ -178,8 +178,8 @@ class AttentionMetadata:
     shared: SharedPrefixes | None = None  # the CPU's cascade attention for the decodes
     # Built once per step for decode attention: additive mask hiding padded cache slots.
     decode_mask: torch.Tensor | None = None
-    # A compiled step of few decodes: attention written out in the graph
-    # (`graph_decode_attention`), the block tables as wide as the longest context needs.
+    # A compiled decode step: attention written out in the graph (`graph_decode_attention`),
+    # the block tables as wide as the longest context needs.
     in_graph: bool = False
 
     @property
@@ -272,8 +272,8 @@ def decode_attention(
     `kernels/ops.py` says so (CUDA), else SDPA on the gathered cache.
 
     SDPA reads only the blocks the longest context needs: `block_tables` ([B, width]) and `mask`
-    ([B, 1, 1, width * block_size], additive) may be wider, as a compiled step's fixed-width
-    buffers are.
+    ([B, 1, 1, width * block_size], additive) may be wider (block tables padded to the longest
+    one in the batch).
     """
     if ops.use_triton(q.device):
         return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
@@ -291,13 +291,6 @@ def decode_attention(
     return o.view(b, -1, q.shape[-1])
 
 
-# Compiled decode steps of at most this many sequences attend in the graph; SDPA's kernel on
-# gathered keys is faster past that. Per layer, benchmark model's heads, 150-300 keys a sequence,
-# in the graph against the op: 1 / 2 / 4 / 8 / 16 sequences 65 / 96 / 229 / 522 / 1108 us
-# against 267 / 230 / 368 / 478 / 1177 us (2 vCPU Zen 3).
-GRAPH_ATTENTION_MAX_SEQS = 4
-
-
 def graph_decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -307,12 +300,16 @@ def graph_decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """A decode step's cache write and attention, written out for a compiled step of a few
-    sequences: inductor fuses the scores, softmax and weighted values into a few loops that
-    read each key and value through the block table where it lies, with no gathered copy, and
-    no op call or Python between layers (the opaque `paged_decode` costs ~200 us a layer in
-    those). The block tables' width is a dynamic dimension of the graph, so one graph serves
-    every context length. q [B, heads, d], k and v [B, kv_heads, d] -> [B, heads, d]."""
+    """A decode step's cache write and attention, written out for a compiled decode step:
+    inductor fuses the scores, softmax and weighted values into a few loops that read each key
+    and value through the block table where it lies, with no gathered copy and no Python
+    between layers. The block tables' width is a dynamic dimension of the graph, so one graph
+    serves every context length. q [B, heads, d], k and v [B, kv_heads, d] -> [B, heads, d].
+
+    Against SDPA on gathered keys behind an opaque op (how these steps attended before), in the
+    engine on the benchmark model, fp32 steps of 8 / 16 / 32 sequences took 16.5 / 25.8 / 46.1
+    against 19.2 / 30.0 / 50.8 ms (median of 6 alternating rounds, 2 vCPU Zen 3); per layer,
+    alone, 1 / 2 / 4 sequences 65 / 96 / 229 against 267 / 230 / 368 us."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     b, width = tables.shape
@@ -327,43 +324,6 @@ def graph_decode_attention(
     probs = scores.masked_fill(hidden[:, :, None, None], float("-inf")).softmax(dim=1)
     o = (probs[..., None] * vv).sum(1)  # [B, kv, group, d]
     return o.to(q.dtype).view(b, -1, d)
-
-
-torch.library.define(
-    "tierserve::paged_decode",
-    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-    "Tensor block_tables, Tensor context_lens, Tensor mask, float scale) -> Tensor",
-)
-
-
-# A plain `torch.library` op rather than `custom_op`: the latter costs ~70 us a call in Python
-# wrappers, over half of this op's own work at one sequence.
-def paged_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """A decode-only step's cache write and attention as one op, which a compiled decode
-    step calls as opaque eager code (vLLM keeps attention out of its captured graphs too):
-    how many blocks it reads depends on the context lengths, which a graph of fixed shapes
-    cannot know. q [B, heads, d], k and v [B, kv_heads, d] -> [B, heads, d]."""
-    write_kv(k_cache, v_cache, k, v, slot_mapping)
-    return decode_attention(q, k_cache, v_cache, block_tables, context_lens, mask, scale)
-
-
-torch.library.impl("tierserve::paged_decode", "CompositeExplicitAutograd", func=paged_decode)
-
-
-@torch.library.register_fake("tierserve::paged_decode")
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, mask, scale):
-    return torch.empty_like(q)
 
 
 def _short_attention(

@@ -136,19 +136,6 @@ class Attention(nn.Module):
             ).transpose(1, 2)
         elif meta.in_graph:
             o = graph_decode_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        elif meta.decode_only and meta.decode_mask is not None:  # SDPA's path (not Triton's)
-            o = torch.ops.tierserve.paged_decode(
-                q,
-                k,
-                v,
-                self.k_cache,
-                self.v_cache,
-                meta.slot_mapping,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                meta.decode_mask,
-                self.scale,
-            )
         else:
             write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
             o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)

@@ -12,11 +12,11 @@ sequence (drafts to verify, a short prefill chunk) takes one row per token
 (`PagedModel.forward`); a step of more tokens than the largest size runs eagerly.
 
 Inputs live in preallocated buffers: token ids, positions, slots, context lengths, block
-tables padded to the longest a sequence can have, and the attention mask. Padding rows
-write their keys and values to a scratch block that no sequence owns, so they never
-touch real cache entries. Steps of up to 4 sequences attend in the graph
-(`graph_decode_attention`), the block tables' width a dynamic dimension; larger ones call
-SDPA's kernel behind a `torch.library` op (`tierserve::paged_decode`) as eager code.
+tables padded to the longest a sequence can have. Padding rows write their keys and values
+to a scratch block that no sequence owns, so they never touch real cache entries. Attention
+is written out in the graph (`graph_decode_attention`) over the block tables cut to the
+longest context, a dynamic dimension of the graph; only FP4 experts stay eager code, behind
+a `torch.library` op (`tierserve::fp4_moe_experts`) that the graphs call.
 
 Graphs are compiled when the engine starts, in a background thread, smallest size first;
 until a size is ready its batches run eagerly. Compiling first would hold the server's
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from serving.model.attention import GRAPH_ATTENTION_MAX_SEQS, AttentionMetadata, padded_tables
+from serving.model.attention import AttentionMetadata, padded_tables
 from serving.model.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -89,12 +89,9 @@ class _Inputs:
     slots: torch.Tensor  # [size]
     context_lens: torch.Tensor  # [size]
     block_tables: torch.Tensor  # [size, max_blocks]
-    mask: torch.Tensor  # [size, 1, 1, max_blocks * block_size] additive, the model's dtype
 
     @classmethod
-    def padding(
-        cls, size: int, max_blocks: int, block_size: int, scratch_block: int, dtype: torch.dtype
-    ) -> "_Inputs":
+    def padding(cls, size: int, max_blocks: int, block_size: int, scratch_block: int) -> "_Inputs":
         """Every row a padding row: token 0 at position 0, in the scratch block."""
         return cls(
             ids=torch.zeros(size, dtype=torch.long),
@@ -102,7 +99,6 @@ class _Inputs:
             slots=torch.full((size,), scratch_block * block_size, dtype=torch.long),
             context_lens=torch.ones(size, dtype=torch.long),
             block_tables=torch.full((size, max_blocks), scratch_block, dtype=torch.long),
-            mask=torch.zeros(size, 1, 1, max_blocks * block_size, dtype=dtype),
         )
 
     def head(self, size: int) -> "_Inputs":
@@ -127,16 +123,13 @@ class DecodeGraphs:
         self.sizes = sizes
         self.block_size = block_size
         self.scratch_block = scratch_block
-        dtype = model.embed_tokens.weight.dtype
         padding = functools.partial(
             _Inputs.padding,
             max_blocks=max_blocks,
             block_size=block_size,
             scratch_block=scratch_block,
-            dtype=dtype,
         )
         self.buffers = padding(sizes[-1])
-        self.key_positions = torch.arange(max_blocks * block_size)
         self.forward: Callable[..., torch.Tensor] | None = None  # set by the thread
         self.num_ready = 0  # sizes[:num_ready] are compiled
         # Made here, not in the thread's inference mode: guards tell inference tensors apart.
@@ -211,24 +204,16 @@ class DecodeGraphs:
         return self._call(pad)[:b]
 
     def _call(self, inputs: _Inputs) -> torch.Tensor:
-        """The compiled forward. Few sequences attend in the graph over block tables cut to the
-        longest context (at least 2 blocks: dynamo specializes a dimension of size 1); more
-        attend in the `paged_decode` op, whose mask is filled as far as that context needs."""
+        """The compiled forward over block tables cut to the longest context (at least 2
+        blocks: dynamo specializes a dimension of size 1, which would compile a second graph)."""
         blocks = max(2, -(-int(inputs.context_lens.max()) // self.block_size))
+        tables = inputs.block_tables[:, :blocks]
+        torch._dynamo.mark_dynamic(tables, 1)
         meta = AttentionMetadata(
             slot_mapping=inputs.slots,
             num_decodes=inputs.ids.shape[0],
-            decode_block_tables=inputs.block_tables,
+            decode_block_tables=tables,
             decode_context_lens=inputs.context_lens,
+            in_graph=True,
         )
-        if meta.num_decodes <= GRAPH_ATTENTION_MAX_SEQS:
-            meta.in_graph = True
-            meta.decode_block_tables = inputs.block_tables[:, :blocks]
-            torch._dynamo.mark_dynamic(meta.decode_block_tables, 1)
-        else:
-            keys = blocks * self.block_size
-            inputs.mask[:, 0, 0, :keys].zero_().masked_fill_(
-                self.key_positions[:keys] >= inputs.context_lens[:, None], float("-inf")
-            )
-            meta.decode_mask = inputs.mask
         return self.forward(inputs.ids, inputs.positions, meta)
