@@ -34,6 +34,7 @@ from loadtests.bench_engine import build_checkpoint, make_prompts
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
 from serving.model.dtype import DTYPES
+from serving.model.host_threads import build_off_thread
 from serving.model.sampling import SamplingParams
 
 PROMPT_TOKENS = 128
@@ -184,10 +185,12 @@ def main() -> None:
     log = Path(tempfile.mkdtemp()) / "engine.log"
     eager = args.enforce_eager
     server, startup, compiled = start_server(path, args.port, args.dtype, args.threads, log, eager)
-    engine = LLMEngine(
-        load_checkpoint(path, DTYPES[args.dtype]),
-        EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024, enforce_eager=eager),
-        eos_token_ids=[],
+    engine = build_off_thread(  # as the server builds its own (`serving/model/host_threads.py`)
+        lambda: LLMEngine(
+            load_checkpoint(path, DTYPES[args.dtype]),
+            EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024, enforce_eager=eager),
+            eos_token_ids=[],
+        )
     )
     if not eager:
         engine.runner.graphs.wait()

@@ -24,6 +24,7 @@ from serving.api_server.serving_engine import APIError, OpenAIServing
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import GenerationConfigMode, sampling_defaults
+from serving.model.host_threads import build_off_thread
 from serving.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,8 @@ def serve(
             "(--generation-config vllm ignores them)",
             defaults,
         )
-    engine = LLMEngine.from_checkpoint(model_dir, engine_config)
+    # Not on this thread, which then runs the event loop: see `host_threads`.
+    engine = build_off_thread(lambda: LLMEngine.from_checkpoint(model_dir, engine_config))
     assert engine.tokenizer is not None  # from_checkpoint always loads one
     aengine = AsyncEngine(engine)
     name = model_name or Path(model_dir).resolve().name

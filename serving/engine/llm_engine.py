@@ -23,6 +23,7 @@ from serving.model.decode_graphs import graph_sizes
 from serving.model.device import kv_cache_budget, resolve_device
 from serving.model.dtype import resolve_kv_cache_dtype
 from serving.model.host_memory import retain_freed_memory
+from serving.model.host_threads import TorchThreads
 from serving.model.paged import kv_bytes_per_block
 from serving.model.sampling import SamplingParams, TokenLogprob
 from serving.model.tokenizer import Tokenizer
@@ -109,6 +110,7 @@ class LLMEngine:
             budget = CPU_KV_CACHE_BYTES
         if weight.device.type == "cpu":
             retain_freed_memory()
+        self.threads = TorchThreads()  # this thread's count, for the thread that steps
         per_block = kv_bytes_per_block(model.config, config.block_size, kv_dtype)
         if config.speculative and config.speculative.method == "draft":
             # The draft model keeps as many blocks as the target (`_proposer`): one budget.
@@ -255,6 +257,7 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.threads.adopt()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
