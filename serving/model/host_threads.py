@@ -26,14 +26,14 @@ class TorchThreads:
 
     def __init__(self) -> None:
         self.num_threads = torch.get_num_threads()
-        self._configured: set[int] = set()
+        self._stepper: int | None = None  # the thread that stepped last, already configured
 
     def adopt(self) -> None:
-        """Configure the calling thread, once per thread (a set lookup on every later call)."""
+        """Configure the calling thread unless it stepped last (one comparison a step)."""
         ident = threading.get_ident()
-        if ident not in self._configured:
+        if ident != self._stepper:
             torch.set_num_threads(self.num_threads)
-            self._configured.add(ident)
+            self._stepper = ident
 
 
 def build_off_thread(factory: Callable[[], T]) -> T:
