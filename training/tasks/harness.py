@@ -293,8 +293,10 @@ async def run(
     from serving.api_server.api_server import build_app
     from serving.engine.async_engine import AsyncEngine  # the in-process server
     from serving.engine.llm_engine import LLMEngine
+    from serving.model.host_threads import build_off_thread
 
-    engine = LLMEngine.from_checkpoint(model_dir)
+    # Built on a passing thread, as the server builds its own: see host_threads.
+    engine = build_off_thread(lambda: LLMEngine.from_checkpoint(model_dir))
     aengine = AsyncEngine(engine)
     try:
         app = build_app(aengine, engine.tokenizer, "local")
