@@ -185,14 +185,13 @@ class GatewayConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     cors: CORSConfig = CORSConfig()
     json_logs: bool = True  # one JSON object per log line on stderr
-    # The highspeed tier speculates with n-gram lookup (greedy-identical): against the
-    # compiled decode steps the server runs, its MTP head is a loss on this CPU (0.79-0.96x at
-    # one stream) and n-gram lookup about even (0.93-1.08x): loadtests/bench_speculative.py.
+    # Neither tier speculates: against the compiled decode steps the server runs, every
+    # drafter slows the highspeed tier down on a CPU (a verify step's rows cost nearly what
+    # whole steps do): at one stream n-gram 0.76x, MTP 0.53x, the draft model 0.65x
+    # (loadtests/bench_speculative.py, 2026-12-03). `tiers.highspeed.speculative` turns it on.
     tiers: Tiers = Tiers(
         full=EmbeddedTier(model=Path("models/demo-full")),
-        highspeed=EmbeddedTier(
-            model=Path("models/demo-highspeed"), speculative=SpeculativeConfig(method="ngram")
-        ),
+        highspeed=EmbeddedTier(model=Path("models/demo-highspeed")),
     )
     router: RouterConfig = RouterConfig()
     fallback: FallbackConfig = FallbackConfig()
