@@ -71,7 +71,8 @@ def _ms(fn, calls: int = 200) -> float:
 def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
     """`speculative.speculator.COSTS` in plain decode steps, at a context of 300 tokens:
     f (verifying k + 1 tokens; for MTP also its layer over a step's ~3 new tokens) and c
-    (one more draft)."""
+    (one more draft); first, what a step of one sequence costs by its tokens (a verify step's
+    rows)."""
 
     def span(n: int) -> list[TokenSpan]:
         return [TokenSpan(list(range(32)), 300, list(range(10, 10 + n)))]
@@ -85,6 +86,12 @@ def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
 
     decode = _ms(lambda: target.runner.forward(span(1)))
     verify = _ms(lambda: target.runner.forward(span(k + 1))) / decode - 1
+    rows = {n: _ms(lambda n=n: target.runner.forward(span(n))) for n in (1, 2, 4, 8)}
+    print(
+        "one sequence's step of 1 / 2 / 4 / 8 tokens: "
+        + " / ".join(f"{t:.2f}" for t in rows.values())
+        + " ms"
+    )
     draft_c = _ms(lambda: draft.runner.forward(span(1))) / decode
     print(f"plain decode step {decode:.2f} ms; in decode steps:")
     print(f"  ngram: fixed {verify:.2f}, per draft 0")
