@@ -121,22 +121,10 @@ def gathered_experts(
     return (o * weights.to(x.dtype)[..., None]).sum(1)
 
 
-# `grouped_experts` as an op that a compiled decode step calls as opaque eager code: its
-# cheapest form depends on which experts the tokens picked, which a graph cannot know.
-torch.library.define(
-    "tierserve::moe_experts",
-    "(Tensor x, Tensor weights, Tensor experts, Tensor gate_up, Tensor down) -> Tensor",
-)
-torch.library.impl("tierserve::moe_experts", "CompositeExplicitAutograd", func=grouped_experts)
-
-
-@torch.library.register_fake("tierserve::moe_experts")
-def _(x, weights, experts, gate_up, down):
-    return torch.empty_like(x)
-
-
-# The same for FP4 experts on a CPU (`fp4_moe`, the lookup-table dequantization of the used
-# experts), each weight passed as its parts: an op's arguments are tensors and scalars.
+# FP4 experts on a CPU (`fp4_moe`, the lookup-table dequantization of the used experts) as an
+# op that a compiled decode step calls as opaque eager code: which experts it dequantizes
+# depends on what the tokens picked, which a graph cannot know. Each weight is passed as its
+# parts: an op's arguments are tensors and scalars.
 torch.library.define(
     "tierserve::fp4_moe_experts",
     "(Tensor x, Tensor weights, Tensor experts, str format, Tensor gate_up_packed, "
@@ -199,10 +187,8 @@ class SparseMoE(nn.Module):
             y = torch.ops.tierserve.fp4_moe_experts(
                 x, weights, experts, gate_up.format, *_fp4_parts(gate_up), *_fp4_parts(down)
             )
-        elif torch.is_grad_enabled():  # training: the op has no backward
-            y = grouped_experts(x, weights, experts, gate_up, down)
-        elif torch.compiler.is_compiling():  # a decode graph
+        elif torch.compiler.is_compiling() and not torch.is_grad_enabled():  # a decode graph
             y = gathered_experts(x, weights, experts, gate_up, down)
         else:
-            y = torch.ops.tierserve.moe_experts(x, weights, experts, gate_up, down)
+            y = grouped_experts(x, weights, experts, gate_up, down)
         return y.view(shape)

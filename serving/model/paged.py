@@ -92,7 +92,7 @@ class PagedModel:
         these padded batch sizes (`DecodeGraphs`, in the background); None runs every step
         eagerly, and so does a model with FP4 linear layers (its CPU path dequantizes in
         Python, which a graph would trace into a slow fused loop); FP4 experts are an opaque
-        op there, like unquantized ones."""
+        op there."""
         self.model = model
         self.block_size = block_size
         cfg = model.config
