@@ -182,10 +182,6 @@ class AttentionMetadata:
     # the block tables as wide as the longest context needs.
     in_graph: bool = False
 
-    @property
-    def decode_only(self) -> bool:
-        return not self.prefills and self.short is None
-
     def prepare(self, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Precompute what every layer would otherwise rebuild; masks in the queries' dtype.
         The decode mask is for SDPA without cascade only: the Triton kernel reads the context
