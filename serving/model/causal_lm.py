@@ -22,7 +22,7 @@ from serving.model.attention import (
     write_kv,
 )
 from serving.model.config import ModelConfig
-from serving.model.linear import Linear
+from serving.model.linear import Linear, pack_onednn
 from serving.model.moe import DenseMLP, SparseMoE
 
 
@@ -306,17 +306,19 @@ def pack_for_inference(model: CausalLM, decoder_layers: bool = True) -> None:
     `x @ W.t()` then reads `W.t()` as a plain row-major matrix, which CPU BLAS streams
     1.5-2x faster at decode sizes than a transposed operand (`loadtests/bench_gemm.py`).
     The embedding keeps its layout (its rows are gathered), and so does a head tied to it.
+    An fp32 LM head on a CPU gets a copy in oneDNN's layout instead (`pack_onednn`).
     `decoder_layers=False` leaves the decoder layers as checkpoints lay them out, for compiled
     decode steps, which read their projections as reductions (`serving/model/linear.py`) and
     their experts in place (`gathered_experts`), both fastest on row-major weights.
     """
     embed = model.embed_tokens.weight
+    pack_onednn(model.lm_head)  # computed eagerly after every step, compiled or not
     kept = set() if decoder_layers else set(model.layers.modules())
     for module in model.modules():
         if module in kept:
             continue
         for name, p in list(module.named_parameters(recurse=False)):
-            if p.dim() >= 2 and p is not embed:
+            if p.dim() >= 2 and p is not embed and getattr(module, "onednn_weight", None) is None:
                 packed = p.detach().transpose(-1, -2).contiguous().transpose(-1, -2)
                 setattr(module, name, nn.Parameter(packed, requires_grad=False))
 

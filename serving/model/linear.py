@@ -28,8 +28,28 @@ def reduces(x: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
+    # oneDNN's blocked layout of an fp32 weight on a CPU (`pack_onednn`), read by eager calls.
+    onednn_weight: torch.Tensor | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn_weight is not None and not torch.compiler.is_compiling():
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.onednn_weight, self.bias, "none", [], ""
+            )
         if not reduces(x):
             return super().forward(x)
         y = (x.unsqueeze(-2) * self.weight).sum(-1)
         return y if self.bias is None else y + self.bias
+
+
+def pack_onednn(linear: Linear) -> None:
+    """Give an fp32 CPU projection a copy of its weight in oneDNN's blocked layout, which
+    oneDNN's product reads at decode sizes 1.4-3.5x faster than MKL reads a row-major or
+    transposed weight: the benchmark model's LM head (8192 x 256, cold) at 1 / 4 / 16 / 32 /
+    300 rows took 0.67 / 0.72 / 1.36 / 1.81 / 9.1 ms against `F.linear`'s 0.95 / 2.49 / 2.98 /
+    3.7 / 14.4 (2 vCPU Zen 3). It is what inductor's freezing does to fp32 linears; eager
+    code gets it here. Inference only: the copy is opaque to autograd and to every other op,
+    so a weight shared with another module (a tied embedding) stays and the copy is extra."""
+    w = linear.weight
+    if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        linear.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach())

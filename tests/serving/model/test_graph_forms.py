@@ -1,6 +1,7 @@
 """What a compiled decode step writes out instead of calling an op, against what the other
 steps run: projections as reductions (`serving/model/linear.py`) and decode attention in the
-graph (`graph_decode_attention`) over block tables of any width, with no recompilation."""
+graph (`graph_decode_attention`) over block tables of any width, with no recompilation; and
+the eager LM head's oneDNN layout against the plain product."""
 
 import pytest
 import torch
@@ -14,7 +15,10 @@ from serving.model.attention import (
     length_mask,
     write_kv,
 )
-from serving.model.linear import Linear, reduces
+from serving.model.causal_lm import CausalLM, pack_for_inference
+from serving.model.config import ModelConfig
+from serving.model.linear import Linear, pack_onednn, reduces
+from tests.tiny_models import TINY_MOE
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32, 33])
@@ -39,6 +43,49 @@ def test_compiled_projection_is_the_linear(rows: int):
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
     with torch.inference_mode():
         assert not reduces(x)  # eager
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 300])
+def test_onednn_projection_is_the_linear(rows: int):
+    """An fp32 projection packed for oneDNN gives the product, eagerly; traced for a decode
+    graph it is still the reduction over the plain weight; half precision is not packed."""
+    assert torch.backends.mkldnn.is_available()  # every x86 CPU build of torch has it
+    g = torch.Generator().manual_seed(rows)
+    layer = Linear(48, 80, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(80, 48, generator=g))
+        layer.bias.copy_(torch.randn(80, generator=g))
+    pack_onednn(layer)
+    assert layer.onednn_weight is not None and layer.onednn_weight.is_mkldnn
+    x = torch.randn(rows, 48, generator=g)
+    want = F.linear(x, layer.weight, layer.bias)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+        if rows <= 32:
+            compiled = torch.compile(layer, dynamic=False, fullgraph=True)
+            torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-4)
+    half = Linear(48, 80, bias=False).to(torch.bfloat16)
+    pack_onednn(half)
+    assert half.onednn_weight is None
+
+
+def test_inference_packing_gives_the_lm_head_onednn_layout():
+    """`pack_for_inference` packs the (tied) fp32 head for oneDNN and leaves the embedding
+    it shares as it was; the logits stay the plain product's."""
+    config = ModelConfig.from_dict(
+        {**TINY_MOE, "architectures": ["Qwen3MoeForCausalLM"], "tie_word_embeddings": True}
+    )
+    model = CausalLM(config)
+    model.init_weights()
+    model.eval()
+    hidden = torch.randn(5, config.hidden_size)
+    with torch.inference_mode():
+        want = model.compute_logits(hidden)
+        embed = model.embed_tokens.weight
+        pack_for_inference(model)
+        assert model.lm_head.onednn_weight is not None
+        assert model.embed_tokens.weight is embed
+        torch.testing.assert_close(model.compute_logits(hidden), want, rtol=1e-5, atol=1e-4)
 
 
 def _cache(blocks: int, block_size: int, kv_heads: int, d: int, g: torch.Generator):
