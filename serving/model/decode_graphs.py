@@ -80,6 +80,30 @@ def inductor_config(dtype: torch.dtype) -> contextlib.AbstractContextManager:
     return config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
 
 
+def release_gil_in_kernels() -> None:
+    """Make inductor's C++ kernels release the GIL while they run, as ATen's ops do.
+
+    Inductor's Python binding of a CPU kernel parses its arguments and calls it holding the
+    GIL (`CppPythonBindingsCodeCache` in `torch/_inductor/codecache.py`), so while a compiled
+    decode step runs, the server's event loop cannot stream the previous step's tokens. The
+    binding here parses the arguments first, then releases the GIL around the kernel, and
+    takes it back on the way out, exceptions included (a kernel's bounds checks throw).
+    Process-wide; the generated source differs, so the compile cache keys do too."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache as bindings
+
+    bindings.extra_parse_arg = """
+        struct ReleasedGIL {{
+            PyThreadState* state = PyEval_SaveThread();
+            ~ReleasedGIL() {{ PyEval_RestoreThread(state); }}
+        }};
+        template <typename F, typename... A> static inline void call_without_gil(F f, A... a) {{
+            ReleasedGIL released;
+            f(a...);
+        }}
+    """
+    bindings.call_entry_function = "call_without_gil(kernel, {}); Py_RETURN_NONE;"
+
+
 @dataclass
 class _Inputs:
     """A decode step's inputs for `size` sequences; rows past the batch are padding."""
@@ -151,6 +175,7 @@ class DecodeGraphs:
         otherwise hold the server's start."""
         start = time.monotonic()
         try:
+            release_gil_in_kernels()
             self.forward = torch.compile(model, dynamic=False, fullgraph=True)
             # One cache entry per size and model (a process may hold several engines);
             # dynamo's config is per thread.
