@@ -5,8 +5,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import training.tasks.sandbox.isolation as sandbox_module
-
 FORK_BOMB = """
 import os
 while True:
@@ -39,8 +37,10 @@ def assert_gone(marker: str) -> None:
     raise AssertionError(f"processes with {marker!r} outlived their run: {alive_with(marker)}")
 
 
-def host_process(marker: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A sleeping host process of the sandbox's own uid (nobody when we are root), so that only
-    the namespaces, not file or signal permissions, keep a program away from it."""
-    user = {} if sandbox_module.RUN_AS is None else {"user": sandbox_module.RUN_AS}
+def host_process(
+    marker: str, uid: int | None, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """A sleeping host process of a sandbox's own uid (`Sandbox.uid`), so that only the
+    namespaces, not file or signal permissions, keep its programs away from it."""
+    user = {} if uid is None else {"user": uid}
     return subprocess.Popen(["sleep", marker], env=env or {}, **user)

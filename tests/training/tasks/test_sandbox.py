@@ -5,6 +5,8 @@ The hostile programs are in test_sandbox_red_team.py."""
 import json
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -194,3 +196,25 @@ def test_eval_refuses_rather_than_scoring_zero(
         cli_main(["eval", "--reference", "short", "--domains", domain, "--n", "1"])
     assert exited.value.code == 2
     assert "refusing to run untrusted code" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root runs sandboxes as leased host uids")
+def test_each_live_sandbox_runs_as_a_host_uid_of_its_own(isolation: str) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "from training.tasks.sandbox.isolation import UidLease\n"
+         "lease = UidLease()\nprint(lease.uid, flush=True)\nimport time; time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        held = int(holder.stdout.readline())  # leased by another process
+        with Sandbox({"a.txt": "a"}) as first, Sandbox() as second:
+            uids = {first.uid, second.uid, held}
+            assert len(uids) == 3 and min(uids) >= sandbox_module.FIRST_UID
+            assert (first.root / "a.txt").stat().st_uid == first.uid
+            made = first.run("bash", "touch made && id -u")
+            assert made.status == "ok" and (first.root / "made").stat().st_uid == first.uid
+            inside = first.uid if isolation == "unshare" else 1000  # bubblewrap maps it
+            assert int(made.stdout) == inside
+    finally:
+        holder.kill()
+        holder.wait()

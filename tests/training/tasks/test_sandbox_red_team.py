@@ -226,7 +226,8 @@ for address in [{path!r}, {abstract!r}]:
 
 
 def test_host_processes_are_invisible_in_proc(isolation: str) -> None:
-    host = host_process("4246.5", env={"TIERSERVE_SECRET": "hunter3-proc"})
+    box = Sandbox()
+    host = host_process("4246.5", box.uid, env={"TIERSERVE_SECRET": "hunter3-proc"})
     try:
         source = """
 import os
@@ -241,18 +242,20 @@ for pid in pids:
         if b"4246.5" in data or b"hunter3" in data:
             print("FOUND", pid, what)
 """
-        result = run_code("python", source)
+        result = box.run("python", source)
         assert host.poll() is None
     finally:
         host.kill()
         host.wait()
+        box.close()
     assert result.status == "ok" and "FOUND" not in result.stdout
     pids = json.loads(result.stdout.split("pids ", 1)[1].splitlines()[0])
     assert len(pids) <= 3 and max(pids) < 100  # a fresh PID namespace: this run's only
 
 
 def test_signals_cannot_reach_host_processes(isolation: str) -> None:
-    host = host_process("4247.5")
+    box = Sandbox()
+    host = host_process("4247.5", box.uid)
     try:
         source = f"""
 import os, signal
@@ -263,12 +266,13 @@ for pid in ({host.pid}, -1):
     except OSError as e:
         print("failed", pid, type(e).__name__)
 """
-        result = run_code("python", source)
+        result = box.run("python", source)
         time.sleep(0.2)
         assert host.poll() is None, "the sandbox killed a host process"
     finally:
         host.kill()
         host.wait()
+        box.close()
     assert result.status in ("ok", "killed")  # kill(-1) may take the program's own group
 
 
@@ -337,3 +341,15 @@ def test_pool_runs_in_parallel_while_one_job_is_a_fork_bomb(isolation: str) -> N
     others = results[:3] + results[4:]
     assert [r.status for r in others] == ["ok"] * 7
     assert [r.stdout for r in others] == [f"{i * i}\n" for i in range(7)]
+
+
+def test_a_fork_bomb_leaves_the_process_budget_of_other_sandboxes_alone(isolation: str) -> None:
+    """Each sandbox's process limit is its own: bash that forks (pipelines, command
+    substitution) keeps working in the sandboxes that run while another one bombs."""
+    forking = "for i in 1 2 3 4 5 6 7 8; do echo $(echo $i) | cat; done | wc -l"
+    with SandboxPool(max_workers=4, limits=Limits(timeout_s=4)) as pool:
+        bomb = pool.submit("python", FORK_BOMB)
+        time.sleep(0.5)  # the bomb has used up its budget before the others start
+        results = pool.map([("bash", forking, None)] * 12)
+        assert bomb.result().status == "timeout"
+    assert [(r.status, r.stdout, r.stderr) for r in results] == [("ok", "8\n", "")] * 12

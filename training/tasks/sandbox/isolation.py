@@ -10,23 +10,27 @@ process by running /bin/true under it):
 
 - `bubblewrap` (Debian's `bubblewrap`): new user namespace too, the program runs as uid 1000.
 - `unshare` (util-linux, part of every Debian and Ubuntu base system): as root, the
-  namespaces directly and the program as nobody (`setpriv`); otherwise inside a user
+  namespaces directly and the program as the sandbox's host uid (`setpriv`); otherwise inside a user
   namespace, and the program as uid 1000 of a nested one, as under bubblewrap. The same mount
   layout as bubblewrap's is built on a tmpfs and entered with pivot_root.
 
 The rlimits are set inside by `prlimit`. The kernel never applies the process limit to host
-root, in any namespace, so when we are root every run runs as nobody.
+root, in any namespace, so when we are root each sandbox runs as a host uid of its own
+(`UidLease`): that limit counts every process of a uid on the host, and sandboxes sharing one
+would share one budget (a fork bomb in one would stop bash in the others from forking).
 
 When neither mechanism works the sandbox fails closed: `SandboxUnavailable`, naming the fix.
 Only a caller who opts in (`isolation="rlimits"`, `--isolation rlimits` or
 TIERSERVE_SANDBOX_ISOLATION=rlimits) gets the weak fallback, which the result
 (`isolation="rlimits"`) and a log warning name: rlimits, a process group, a scrubbed
 environment and the working directory as cwd. It does NOT stop network access, reads of
-whatever the running user may read, writes wherever it may write (for nobody: world-writable
-places such as /tmp), signals to the user's other processes, or processes that leave the group
-with setsid; and its process limit counts every process of the running user.
+whatever the running user may read, writes wherever it may write (as root, the sandbox's own
+uid: world-writable places such as /tmp), signals to the user's other processes, or processes
+that leave the group with setsid; and when we are not root its process limit counts every
+process of the running user.
 """
 
+import fcntl
 import functools
 import logging
 import os
@@ -44,10 +48,12 @@ NAMESPACED = ("bubblewrap", "unshare")  # what `auto` tries, strongest first
 ISOLATION_CHOICES = ("auto", *NAMESPACED, "rlimits")
 WORKDIR = "/sandbox"  # where the working directory appears inside the namespaces
 PROGDIR = "/prog"  # the program file and nothing else, read-only
-RUN_AS = 65534 if os.geteuid() == 0 else None  # nobody, see above
+AS_ROOT = os.geteuid() == 0  # then each sandbox leases a host uid, see above
+FIRST_UID = 0x7E000000  # leased uids: unassigned, above systemd's container range, below 2^31
+UIDS = 4096  # sandboxes alive at once on one host, as root
 INNER_ID = "1000"  # the program's uid and gid inside a user namespace
 # Stdlib only, never the venv's packages: the system python3, else this process's base
-# interpreter (its prefix is then bound read-only; nobody must be able to read it).
+# interpreter (its prefix is then bound read-only; any uid must be able to read it).
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
 PYTHON = os.path.realpath(SYSTEM_PYTHON or sys.executable)
 _TOOLS = {"bubblewrap": "bwrap", "unshare": "unshare"}
@@ -72,6 +78,43 @@ _FIX = (
 class SandboxUnavailable(Exception):
     """No requested isolation works here: untrusted code is refused rather than run bare.
     Not a RuntimeError: callers that score a failed request as 0 must not swallow it."""
+
+
+class UidLease:
+    """A host uid no account and no other live sandbox uses, held until `release`.
+
+    An flock on a file named after the uid marks it taken: the lock holds across processes
+    (an eval, a training run and test workers at once) and the kernel drops it when its
+    holder dies, so a crash leaks nothing. The lock files stay, empty: as many as sandboxes
+    were ever alive at once."""
+
+    def __init__(self) -> None:
+        lock_dir = _uid_lock_dir()
+        for uid in range(FIRST_UID, FIRST_UID + UIDS):
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(lock_dir / str(uid), flags, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.uid = uid
+            self._lock = open(fd, "rb")  # noqa: SIM115 (held past this call; closed, so released, with the object)
+            return
+        raise SandboxUnavailable(f"all {UIDS} sandbox uids are in use ({lock_dir})")
+
+    def release(self) -> None:
+        self._lock.close()
+
+
+def _uid_lock_dir() -> Path:
+    """Root's own directory: nobody else may create, hold or swap the lock files."""
+    path = Path("/run" if os.path.isdir("/run") else tempfile.gettempdir()) / "tierserve-uids"
+    path.mkdir(mode=0o700, exist_ok=True)
+    info = path.lstat()
+    if not path.is_dir() or path.is_symlink() or info.st_uid != 0 or info.st_mode & 0o022:
+        raise SandboxUnavailable(f"{path} must be a directory of root's that only root writes")
+    return path
 
 
 def _tool(name: str) -> str:
@@ -145,7 +188,7 @@ def _mount(op: tuple[str, ...], root: str) -> list[str]:
     return [*lines, f"mkdir -m 1777 {dst}/shm"]
 
 
-def _unshare_argv(tmp: Path, program: list[str]) -> list[str]:
+def _unshare_argv(tmp: Path, program: list[str], uid: int | None) -> list[str]:
     """util-linux's unshare and a setup script as the namespace's pid 1: it builds the layout
     on a tmpfs, pivots into it and waits for the program, which it starts as the unprivileged
     uid. Pid 1 never changes uid, so it keeps unshare's parent-death signal: the namespace
@@ -169,8 +212,8 @@ def _unshare_argv(tmp: Path, program: list[str]) -> list[str]:
     drop = [_tool("setpriv"), "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all"]
     outer = [_tool("unshare"), "--net", "--pid", "--mount", "--ipc", "--uts", "--fork"]
     outer.append("--kill-child")
-    if RUN_AS is not None:
-        drop[1:1] = [f"--reuid={RUN_AS}", f"--regid={RUN_AS}", "--clear-groups"]
+    if uid is not None:
+        drop[1:1] = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
     else:  # no other uid exists in our user namespace: a nested one maps it to 1000, and
         # keeps its capabilities just long enough for setpriv to empty the bounding set
         outer[1:1] = ["--user", "--map-root-user"]
@@ -181,29 +224,30 @@ def _unshare_argv(tmp: Path, program: list[str]) -> list[str]:
     return [_tool("setpriv"), "--pdeathsig=KILL", "--", *outer, "--", "/bin/sh", "-c", script]
 
 
-def _popen_user() -> dict:
+def _popen_user(uid: int | None) -> dict:
     """Popen's own uid switch (no preexec_fn, which is unsafe with the pool's threads)."""
-    return {} if RUN_AS is None else {"user": RUN_AS, "group": RUN_AS, "extra_groups": []}
+    return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
 
 
 def isolated_command(
-    isolation: str, tmp: Path, program: list[str]
+    isolation: str, tmp: Path, program: list[str], uid: int | None
 ) -> tuple[list[str], dict[str, str], dict]:
     """(argv, env, Popen's extra arguments) that run `program` (paths as seen inside) under
-    `isolation`. unshare must start as whoever we are: as root it makes the namespaces
-    without a user namespace and drops to nobody itself."""
+    `isolation`, as the host uid `uid` (None: as we are, when we are not root). unshare must
+    start as whoever we are: as root it makes the namespaces without a user namespace and
+    drops to `uid` itself."""
     if isolation == "bubblewrap":
         env = _env(WORKDIR)  # bwrap's own process must not hold secrets: /proc/1/environ shows it
-        return _bwrap_argv(tmp, env, program), env, _popen_user()
+        return _bwrap_argv(tmp, env, program), env, _popen_user(uid)
     if isolation == "unshare":
-        return _unshare_argv(tmp, program), _env(WORKDIR), {}
+        return _unshare_argv(tmp, program, uid), _env(WORKDIR), {}
     assert isolation == "rlimits", isolation
-    return program, _env(str(tmp / "work")), _popen_user()
+    return program, _env(str(tmp / "work")), _popen_user(uid)
 
 
-def make_dirs(files: dict[str, str]) -> Path:
+def make_dirs(files: dict[str, str], uid: int | None) -> Path:
     """A temporary directory with work/ (holding `files`), prog/ and root/ (the unshare
-    path's mount point for the new root); work/ belongs to nobody when we are root."""
+    path's mount point for the new root); work/ belongs to `uid` when we are root."""
     tmp = Path(tempfile.mkdtemp(prefix="tierserve-sandbox-"))
     (tmp / "prog").mkdir(mode=0o755)
     (tmp / "root").mkdir(mode=0o755)
@@ -212,11 +256,11 @@ def make_dirs(files: dict[str, str]) -> Path:
     for rel, text in files.items():
         (work / rel).parent.mkdir(parents=True, exist_ok=True)
         (work / rel).write_text(text)
-    if RUN_AS is not None:
-        tmp.chmod(0o711)  # nobody may pass through to work/ and prog/, not list
+    if uid is not None:
+        tmp.chmod(0o711)  # the program may pass through to work/ and prog/, not list
         for dirpath, _, filenames in os.walk(work):
             for path in [dirpath, *(os.path.join(dirpath, f) for f in filenames)]:
-                os.chown(path, RUN_AS, RUN_AS)
+                os.chown(path, uid, uid)
     return tmp
 
 
@@ -237,9 +281,11 @@ def probe(isolation: str) -> str | None:
     tool = shutil.which(_TOOLS[isolation], path="/usr/sbin:/usr/bin:/sbin:/bin")
     if tool is None:
         return f"{_TOOLS[isolation]} is not installed"
-    tmp = make_dirs({})
+    lease = UidLease() if AS_ROOT else None
+    uid = lease.uid if lease else None
+    tmp = make_dirs({}, uid)
     try:
-        argv, env, popen_kwargs = isolated_command(isolation, tmp, ["/bin/true"])
+        argv, env, popen_kwargs = isolated_command(isolation, tmp, ["/bin/true"], uid)
         run = subprocess.run(
             argv, cwd=tmp / "work", env=env, capture_output=True, timeout=30, check=False,
             **popen_kwargs,
@@ -248,6 +294,8 @@ def probe(isolation: str) -> str | None:
         return f"{tool} did not run /bin/true within 30 s"
     finally:
         remove_dirs(tmp)
+        if lease:
+            lease.release()
     if run.returncode == 0:
         return None
     why = run.stderr.decode(errors="replace").strip().splitlines()

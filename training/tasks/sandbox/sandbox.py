@@ -9,8 +9,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from training.tasks.sandbox.isolation import (
+    AS_ROOT,
     PROGDIR,
     PYTHON,
+    UidLease,
     isolated_command,
     make_dirs,
     remove_dirs,
@@ -36,7 +38,17 @@ class Sandbox:
                 raise ValueError(f"sandbox file path escapes the work dir: {rel!r}")
         self.isolation = resolve_isolation(isolation)  # before anything exists: may refuse
         self.limits = limits or Limits()
-        self._tmp = make_dirs(files)
+        self._lease = UidLease() if AS_ROOT else None
+        try:
+            self._tmp = make_dirs(files, self.uid)
+        except BaseException:
+            self._release()
+            raise
+
+    @property
+    def uid(self) -> int | None:
+        """The host uid its programs run as: its own when we are root, else ours (None)."""
+        return self._lease.uid if self._lease else None
 
     @property
     def root(self) -> Path:
@@ -53,7 +65,7 @@ class Sandbox:
         prog.chmod(0o644)
         script = str(prog) if self.isolation == "rlimits" else f"{PROGDIR}/{name}"
         program = ["prlimit", *self.limits.prlimit_args(), "--", interpreter, script]
-        argv, env, popen_kwargs = isolated_command(self.isolation, self._tmp, program)
+        argv, env, popen_kwargs = isolated_command(self.isolation, self._tmp, program, self.uid)
         with tempfile.TemporaryFile() as stdin_file:
             stdin_file.write(stdin.encode())
             stdin_file.seek(0)
@@ -86,7 +98,14 @@ class Sandbox:
         return dict(sorted(out.items()))
 
     def close(self) -> None:
-        remove_dirs(self._tmp)
+        try:
+            remove_dirs(self._tmp)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._lease:
+            self._lease.release()
 
     def __enter__(self) -> "Sandbox":
         return self
