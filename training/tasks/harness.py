@@ -100,6 +100,7 @@ class Record:
     # The first request of the episode, so a router can be trained on what it will see.
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+    replies: list[str] = field(default_factory=list)  # what the policy wrote, turn by turn
 
 
 async def play_episode(domain: Domain, task: Task, policy: Policy) -> Record:
@@ -107,9 +108,11 @@ async def play_episode(domain: Domain, task: Task, policy: Policy) -> Record:
     first_messages = [dict(m) for m in episode.messages]
     tokens: int | None = 0
     latency = 0.0
+    replies = []
     try:
         for turn in range(MAX_TURNS):
             reply = await policy(task, episode.messages, turn)
+            replies.append(reply.text)
             latency += reply.latency_s
             tokens = (
                 None
@@ -135,6 +138,7 @@ async def play_episode(domain: Domain, task: Task, policy: Policy) -> Record:
         metrics,
         first_messages,
         task.tools,
+        replies,
     )
 
 

@@ -15,7 +15,8 @@ every multiplication has on one side, which keeps products and their traces boun
     3: 3-4 operations, operands of 1-4 digits, factor of up to 2 digits
 
 An expression whose working takes more than `TRACE_LINES` lines is drawn again: at about 16
-tokens a line, the whole reference then fits the eval's 512-token answer budget.
+tokens a line, the reference then fits the eval's 512-token answer budget (all of difficulty 1;
+of 400 drawn, 399 of difficulty 2 and 387 of difficulty 3).
 """
 
 import random
@@ -61,18 +62,28 @@ def evaluate(tree: Tree) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b
 
 
-def render(tree: Tree) -> str:
+def render(tree: Tree, grouped: bool = False) -> str:
     """Infix text with only the parentheses needed to read back the same tree: operators are
-    left-associative, so a right operand of equal precedence keeps its parentheses."""
+    left-associative, so a right operand of equal precedence keeps its parentheses.
+    `grouped` also brackets every product inside a sum, so that "brackets first, then left
+    to right" is the whole rule for what comes next: no precedence to work out."""
     if isinstance(tree, int):
         return _show(tree)
     op, left, right = tree
-    a, b = render(left), render(right)
-    if isinstance(left, list) and PRECEDENCE[left[0]] < PRECEDENCE[op]:
+    a, b = render(left, grouped), render(right, grouped)
+    if isinstance(left, list) and _bracketed(left[0], op, grouped):
         a = f"({a})"
-    if isinstance(right, list) and PRECEDENCE[right[0]] <= PRECEDENCE[op]:
+    if isinstance(right, list) and (
+        PRECEDENCE[right[0]] == PRECEDENCE[op] or _bracketed(right[0], op, grouped)
+    ):
         b = f"({b})"
     return f"{a} {op} {b}"
+
+
+def _bracketed(inner: str, outer: str, grouped: bool) -> bool:
+    return PRECEDENCE[inner] < PRECEDENCE[outer] or (
+        grouped and PRECEDENCE[inner] > PRECEDENCE[outer]
+    )
 
 
 def operands(tree: Tree) -> list[int]:
@@ -126,7 +137,8 @@ def _column_add(a: int, b: int) -> list[str]:
 
 def _column_sub(a: int, b: int) -> list[str]:
     """Column subtraction a - b for a >= b >= 0, lowest place first; once b has no digits
-    left and nothing is borrowed, a's higher places copy down."""
+    left and nothing is borrowed, a's higher places copy down. A column that borrows says so
+    after its digits ("3-1-5<0"), not before them: the decision is read off the line."""
     lines, borrow, i = [], 0, 0
     while a:
         if i and not borrow and not b:
@@ -136,8 +148,8 @@ def _column_sub(a: int, b: int) -> list[str]:
         terms = f"{x}" + ("-1" if borrow else "") + f"-{y}"
         diff = x - borrow - y
         borrow = int(diff < 0)
-        if borrow:
-            lines.append(f"  {_place(i)}: 10+{terms}={diff + 10}, borrow 1")
+        if borrow:  # the digits first, then whether they need the borrow
+            lines.append(f"  {_place(i)}: {terms}<0, 10+{terms}={diff + 10}")
         else:
             lines.append(f"  {_place(i)}: {terms}={diff}")
         a, b, i = a // 10, b // 10, i + 1
@@ -164,7 +176,9 @@ def _multiply(a: int, b: int) -> list[str]:
     long, short = (a, b) if len(str(a)) >= len(str(b)) else (b, a)
     if short < 10:
         return [f"  {long} * {short} in columns:", *_multiply_digit(long, short)]
-    lines, total = [f"  {a} * {b} by partial products:"], None
+    parts = [f"{long} * {int(c) * 10**i}" for i, c in enumerate(reversed(str(short))) if c != "0"]
+    split = f" = {' + '.join(parts)}," if len(parts) > 1 else ""  # the factors to copy below
+    lines, total = [f"  {a} * {b}{split} by partial products:"], None
     for i, c in enumerate(reversed(str(short))):
         d, scale = int(c), 10**i
         if d == 0:
@@ -242,7 +256,7 @@ def _trace(tree: Tree) -> list[str]:
         value = evaluate(operation)
         lines += _step(op, a, b)
         tree = _reduce(tree, operation, value)
-        lines.append(f"Left: {tree if isinstance(tree, int) else render(tree)}")
+        lines.append(f"Left: {tree if isinstance(tree, int) else render(tree, grouped=True)}")
     return lines
 
 
@@ -312,6 +326,9 @@ class MathDomain(Domain):
         # The expression restated in symbols first: a request in words ("subtract 19 from
         # 100") is then worked from the line above, like any other.
         lines = [f"Work out {task.data['expression']} innermost first, one operation at a time."]
+        grouped = render(task.data["tree"], grouped=True)
+        if grouped != task.data["expression"]:
+            lines.append(f"Products first: {grouped}")
         lines += _trace(task.data["tree"])
         if style == "think":
             lines.append(f"So {task.data['expression']} = {answer}.")

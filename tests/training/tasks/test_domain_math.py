@@ -21,6 +21,7 @@ DOMAIN = MathDomain()
 SEEDS = range(150)
 LABEL = re.compile(r"^[\w^-]+: ")
 ARITHMETIC = re.compile(r"[\d+\-*() ]+")
+BORROW = re.compile(r"^\d(-\d)+<0, ")
 
 
 def _products_have_small_factor(tree, factor_digits: int) -> bool:
@@ -85,6 +86,9 @@ def test_every_trace_line_is_true_arithmetic(difficulty: int) -> None:
             line = LABEL.sub("", line.strip().removeprefix("So "))
             if "=" not in line:
                 continue
+            if BORROW.match(line):  # "3-1-5<0, 10+3-1-5=7": the claim is true
+                claim, line = line.split(", ", 1)
+                assert eval(claim.removesuffix("<0")) < 0, line
             equation, *notes = line.rstrip(".").split(", ")
             parts = re.split(r" ?= ?", equation)
             assert len(parts) >= 2 and all(ARITHMETIC.fullmatch(p) for p in parts), line
@@ -123,7 +127,7 @@ def test_no_trace_line_does_multi_digit_arithmetic_at_once(difficulty: int) -> N
                 assert lines[i - 1].startswith("  "), line  # its working comes first
             body = LABEL.sub("", line.strip())
             if line.startswith("  ") and LABEL.match(line.strip()) and "copy down" not in line:
-                assert column.fullmatch(body.split(", ")[0]), line
+                assert column.fullmatch(BORROW.sub("", body).split(", ")[0]), line
 
 
 @pytest.mark.parametrize(
@@ -195,7 +199,7 @@ def test_trace_says_what_is_left_and_fits_the_answer_budget(difficulty: int) -> 
         assert len(left) == count_ops(task.data["tree"])
         assert left[-1] == str(task.data["answer"])
         assert all(eval(e) == task.data["answer"] for e in left)
-        assert len(reasoning.splitlines()) <= TRACE_LINES + 2
+        assert len(reasoning.splitlines()) <= TRACE_LINES + 3  # + what, products first, so
 
 
 def test_single_digit_facts_are_written_as_columns() -> None:
@@ -203,3 +207,25 @@ def test_single_digit_facts_are_written_as_columns() -> None:
     task.data.update(expression="7 + 4", tree=["+", 7, 4], answer=11)
     reasoning, _ = split_reasoning(DOMAIN.reference(task, "think")[0])
     assert "  ones: 7+4=11\n7 + 4 = 11\nLeft: 11" in reasoning
+
+
+def test_the_trace_brackets_products_and_names_what_to_copy_and_when_to_borrow() -> None:
+    """The three places a small model went wrong: the next operation of `18 + 2 * 715` (it
+    added first), the second partial product's digit, and the borrow decided before the
+    digits were written."""
+    tree = ["+", ["*", 3, 6], ["*", 2, 715]]
+    task = type(DOMAIN.generate(0, 1))("math", 0, 2, "x", {})
+    task.data.update(expression=render(tree), tree=tree, answer=evaluate(tree))
+    reasoning, _ = split_reasoning(DOMAIN.reference(task, "think")[0])
+    assert "\nProducts first: (3 * 6) + (2 * 715)\n" in reasoning
+    assert "\nLeft: 18 + (2 * 715)\n" in reasoning
+    tree = ["-", ["*", 200, 53], 2453]
+    task.data.update(expression=render(tree), tree=tree, answer=evaluate(tree))
+    reasoning, _ = split_reasoning(DOMAIN.reference(task, "think")[0])
+    assert "  200 * 53 = 200 * 3 + 200 * 50, by partial products:\n  200 * 3 in" in reasoning
+    assert "  ones: 0-3<0, 10+0-3=7\n" in reasoning
+    assert "  tens: 0-1-5<0, 10+0-1-5=4\n" in reasoning
+    assert "\nProducts first: (200 * 53) - 2453\n" in reasoning
+    tree = ["-", 5431, ["-", 2454, 1]]
+    task.data.update(expression=render(tree), tree=tree, answer=evaluate(tree))
+    assert "Products first" not in DOMAIN.reference(task, "think")[0]  # nothing to bracket

@@ -54,6 +54,8 @@ def test_reference_solutions_score_full_marks(style):
     assert len(records) == len(ALL) * 3 * 2
     failed = [(r.domain, r.difficulty, r.seed, r.reason) for r in records if r.reward < 1.0]
     assert not failed
+    assert all(r.replies and all(r.replies) for r in records)  # each turn's text is kept
+    assert {len(r.replies) for r in records if r.domain == "math"} == {1}
     rows = summarize(records)
     assert {r["domain"] for r in rows} == set(ALL)
     assert all(r["completion_rate"] == 1.0 for r in rows)
@@ -128,6 +130,7 @@ def test_report_is_json():
     records = asyncio.run(run(["math"], [1], n=2, run_seed=3, concurrency=1, reference="short"))
     data = json.loads(json.dumps(report(records)))
     assert data["summary"][0]["n"] == 2 and len(data["records"]) == 2
+    assert data["records"][0]["replies"] == [records[0].replies[0]]
 
 
 def test_the_eval_command_against_a_live_server(live_server, tmp_path, capsys):
