@@ -169,10 +169,11 @@ def _call_block(call: dict[str, Any]) -> str:
 
 
 def _key_pair(data: dict[str, Any]) -> str:
-    """The answer's field as the last result writes it (`"confirmation": "J394XR"`): copied
-    with the same tokens around it as at its source, which a small model copies far more
-    reliably than the bare code (demo-full miscopied 9 of 20 held-out codes: "J394XR" as
-    "J394,", "GPZS7R" as "GNQS7R")."""
+    """The answer's field as the last result writes it (`"confirmation": "J394XR"`), so the
+    code is copied with the same tokens before it as at its source, not after a space that
+    tokenizes its first characters differently. Measured, it did not fix what it was meant
+    to: demo-full miscopied 9 of 20 held-out codes before ("J394XR" as "J394,", "GPZS7R" as
+    "GNQS7R") and 10 of 20 after 400 SFT steps with it, mid-code, at rare merged tokens."""
     result = data["calls"][-1]["result"]
     field = next(k for k, v in result.items() if v == data["key"])
     return json.dumps({field: data["key"]}, ensure_ascii=False)[1:-1]
