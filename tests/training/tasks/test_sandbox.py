@@ -218,3 +218,25 @@ def test_each_live_sandbox_runs_as_a_host_uid_of_its_own(isolation: str) -> None
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root leases host uids")
+def test_uid_locks_go_to_the_first_writable_place_and_only_a_private_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        sandbox_module, "UID_LOCK_DIRS", (str(tmp_path / "no" / "such"), str(tmp_path))
+    )
+    lease = sandbox_module.UidLease()
+    assert (tmp_path / "tierserve-uids" / str(lease.uid)).is_file()
+    lease.release()
+    (tmp_path / "tierserve-uids").chmod(0o777)  # anyone could hold or swap the locks
+    with pytest.raises(SandboxUnavailable, match="only root writes"):
+        sandbox_module.UidLease()
+    (tmp_path / "tierserve-uids").chmod(0o700)
+    os.chown(tmp_path / "tierserve-uids", 1000, 1000)
+    with pytest.raises(SandboxUnavailable, match="only root writes"):
+        sandbox_module.UidLease()
+    monkeypatch.setattr(sandbox_module, "UID_LOCK_DIRS", (str(tmp_path / "no" / "such"),))
+    with pytest.raises(SandboxUnavailable, match="no writable place"):
+        sandbox_module.UidLease()

@@ -51,6 +51,7 @@ PROGDIR = "/prog"  # the program file and nothing else, read-only
 AS_ROOT = os.geteuid() == 0  # then each sandbox leases a host uid, see above
 FIRST_UID = 0x7E000000  # leased uids: unassigned, above systemd's container range, below 2^31
 UIDS = 4096  # sandboxes alive at once on one host, as root
+UID_LOCK_DIRS = ("/run", tempfile.gettempdir())  # the first writable one holds the uid locks
 INNER_ID = "1000"  # the program's uid and gid inside a user namespace
 # Stdlib only, never the venv's packages: the system python3, else this process's base
 # interpreter (its prefix is then bound read-only; any uid must be able to read it).
@@ -109,12 +110,17 @@ class UidLease:
 
 def _uid_lock_dir() -> Path:
     """Root's own directory: nobody else may create, hold or swap the lock files."""
-    path = Path("/run" if os.path.isdir("/run") else tempfile.gettempdir()) / "tierserve-uids"
-    path.mkdir(mode=0o700, exist_ok=True)
-    info = path.lstat()
-    if not path.is_dir() or path.is_symlink() or info.st_uid != 0 or info.st_mode & 0o022:
-        raise SandboxUnavailable(f"{path} must be a directory of root's that only root writes")
-    return path
+    for parent in UID_LOCK_DIRS:
+        path = Path(parent) / "tierserve-uids"
+        try:
+            path.mkdir(mode=0o700, exist_ok=True)
+        except OSError:  # e.g. a read-only /run in a container
+            continue
+        info = path.lstat()
+        if path.is_symlink() or not path.is_dir() or info.st_uid != 0 or info.st_mode & 0o022:
+            raise SandboxUnavailable(f"{path} must be a directory of root's that only root writes")
+        return path
+    raise SandboxUnavailable(f"no writable place for the sandbox uid locks: {UID_LOCK_DIRS}")
 
 
 def _tool(name: str) -> str:
