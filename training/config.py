@@ -73,6 +73,8 @@ class DataConfig(BaseModel):
     natural: float = Field(0.0, ge=0, le=1)  # share of tasks with a reworded prompt
     out_of_domain: float = Field(0.0, ge=0, le=1)  # share of requests outside the domains
     copy_docs: float = Field(0.0, ge=0, le=1)  # pretrain: share of copy-dense documents
+    # SFT: share of tool chains whose code is redrawn from merged pieces (`code_pieces`)
+    merged_codes: float = Field(0.0, ge=0, le=1)
 
     @field_validator("mix")
     @classmethod

@@ -10,6 +10,7 @@ import random
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from training.code_pieces import CodePieces
 from training.natural import naturalize
 from training.tasks.base import Domain, Style, Task, Verdict
 from training.tasks.seeds import train_seed
@@ -29,6 +30,7 @@ def sft_examples(
     difficulties: Iterable[int],
     style: Style,
     natural: float = 0.0,
+    codes: CodePieces | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Chat-format SFT examples: the reference solution played through a real episode, so
     multi-turn tasks carry the true observations. Examples whose reference does not verify
@@ -40,12 +42,15 @@ def sft_examples(
     context inference gives it.
 
     A share `natural` of the tasks get a reworded prompt, sometimes under a system prompt
-    (`training.natural`)."""
+    (`training.natural`); with `codes`, a share of the tool chains a code built from merged
+    pieces (`training.code_pieces`)."""
     for task in tasks(domain, seeds, difficulties):
         system = None
         rng = random.Random(f"natural:{task.domain}:{task.seed}:{task.difficulty}")
         if rng.random() < natural:
             task, system = naturalize(task, rng)
+        if codes is not None:
+            task = codes.redraw(task, random.Random(f"codes:{task.seed}:{task.difficulty}"))
         # A second try: on a loaded machine a sandboxed command can hit its time limit.
         messages, turns, verdict = _play_reference(domain, task, system, style)
         if verdict.reward < 1.0:

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from serving.model.chat_format import split_reasoning
 from serving.model.tokenizer import Tokenizer
+from training.code_pieces import CodePieces
 from training.config import DataConfig
 from training.copy_text import copy_document
 from training.data import pretrain_documents, sft_examples
@@ -83,15 +84,18 @@ def draw_tasks(data: DataConfig) -> Iterator[tuple[str, int, int]]:
         yield rng.choices(names, weights)[0], data.seed + i, rng.choice(data.difficulties)
 
 
-def chat_examples(data: DataConfig, style: Style) -> Iterator[dict]:
+def chat_examples(
+    data: DataConfig, style: Style, codes: CodePieces | None = None
+) -> Iterator[dict]:
     """The SFT conversations; a share `data.out_of_domain` of them are requests outside the
-    domains, answered with what the tier can do."""
+    domains, answered with what the tier can do. `codes`: see `sft_examples`."""
     domains = {name: get_domain(name) for name in data.mix}
     for i, (name, seed, difficulty) in enumerate(draw_tasks(data)):
         if random.Random(f"ood:{data.seed}:{i}").random() < data.out_of_domain:
             yield out_of_domain(seed, style)
         else:
-            yield next(sft_examples(domains[name], [seed], [difficulty], style, data.natural))
+            examples = sft_examples(domains[name], [seed], [difficulty], style, data.natural, codes)
+            yield next(examples)
 
 
 def write_atomic(path: Path, write) -> None:
@@ -142,7 +146,9 @@ def build_sft(
     eos = tokenizer.raw.token_to_id(tokenizer.eos_token)
     rows, skipped = [], 0
     source = "think" if teacher else style
-    bar = tqdm(chat_examples(data, source), total=data.examples, desc=f"sft data ({style})")
+    codes = CodePieces.of(tokenizer, data.merged_codes) if data.merged_codes else None
+    examples = chat_examples(data, source, codes)
+    bar = tqdm(examples, total=data.examples, desc=f"sft data ({style})")
     for example in bar:
         for messages, turn in example["turns"]:
             text = tokenizer.apply_chat_template(messages, tools=example.get("tools"))
