@@ -179,28 +179,39 @@ def _key_pair(data: dict[str, Any]) -> str:
     return json.dumps({field: data["key"]}, ensure_ascii=False)[1:-1]
 
 
-def _value(key: str, value: Any, request: str) -> str:
-    """An argument as the note states it. A date or a count the request gives in words is
-    converted on the line, month number first, so the model recalls one fact and then copies
-    ("three people" was passengers 2 in 2 of the 4 tasks demo-full failed at difficulty 2)."""
+def _value(key: str, value: Any, request: str) -> tuple[str, int]:
+    """An argument as the note states it, and where the request gives it (its length if it
+    does not). A date or a count the request gives in words is converted on the line, month
+    number first, so the model recalls one fact and then copies ("three people" was
+    passengers 2 in 2 of the 4 tasks demo-full failed at difficulty 2)."""
     text = json.dumps(value, ensure_ascii=False)
     iso = re.fullmatch(r"\d{4}-(\d\d)-(\d\d)", value) if isinstance(value, str) else None
     if iso and value not in request:
-        month, day = (int(part) for part in iso.groups())
-        return f'{key} "{date_in_words(value)}" = month {month}, day {day} = {text}'
+        month, day, words = *(int(part) for part in iso.groups()), date_in_words(value)
+        return f'{key} "{words}" = month {month}, day {day} = {text}', _find(words, request)
     if type(value) is int and 0 <= value < len(NUMBER_WORDS):
         word = NUMBER_WORDS[value]
         in_words = re.search(rf"\b{word}\b", request, re.IGNORECASE)
         if in_words and not re.search(rf"(?<![\d-]){text}(?!\d)", request):
-            return f'{key} "{in_words[0]}" = {text}'
-    return f"{key} {text}"
+            return f'{key} "{in_words[0]}" = {text}', in_words.start()
+    return f"{key} {text}", _find(str(value).replace("_", " "), request)
+
+
+def _find(source: str, request: str) -> int:
+    at = request.lower().find(source.lower())
+    return len(request) if at < 0 else at
 
 
 def call_note(tool: dict, arguments: dict[str, Any], request: str) -> str:
     """The brief reasoning of a single-call reference turn: the tool, what it does in its
-    schema's words, and each argument."""
+    schema's words, and each argument in the order the request gives them, so the copying
+    moves forward through the request (demo-full, noting them in the schema's order, wrote
+    passengers "four" for "three people" and cabin "business" for "first class", which the
+    request gives first, after working a date it gives last)."""
     name, description = tool["function"]["name"], tool["function"]["description"].rstrip(".")
-    values = ", ".join(_value(key, value, request) for key, value in arguments.items())
+    stated = sorted((_value(key, value, request) for key, value in arguments.items()),
+                    key=lambda item: item[1])  # fmt: skip
+    values = ", ".join(note for note, _ in stated)
     return f"This needs {name} ({description[0].lower() + description[1:]}), with {values}."
 
 

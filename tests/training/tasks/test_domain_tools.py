@@ -263,3 +263,16 @@ def test_picking_the_best_restates_the_best_after_each_comparison() -> None:
     )
     ratings = [("r_1", 4.9), ("r_2", 4.1), ("r_3", 4.6)]
     assert running_best(ratings, "higher").endswith("best stays r_1 4.9.")
+
+
+def test_the_note_states_arguments_in_the_order_the_request_gives_them() -> None:
+    """A date or count the request words is converted where the request gives it."""
+    flights = [t for t in (DOMAIN.generate(s, 2) for s in SEEDS) if t.prompt.startswith("We are")]
+    assert len(flights) >= 3
+    for task in flights:
+        note = DOMAIN.reference(task, "think")[0].split("\n")[1]
+        keys = ("passengers", "cabin", "origin", "destination", "date")
+        at = [note.index(f"{key} ") for key in keys]
+        assert at == sorted(at), note
+        words = task.prompt.split()[2]  # "We are three people ..."
+        assert f'passengers "{words}" = {task.data["calls"][0]["arguments"]["passengers"]}' in note
