@@ -30,9 +30,9 @@ from training.tasks.tool_tasks import call
 
 FULL = REPO / "models" / "demo-full"
 # The completion rate the shipped demo-full reaches on each domain's 20 requests (greedy), in
-# fp32 and in emulated bf16 alike. Tools: 7 of 20 (0.35); one request of margin for a
-# machine's native bf16 rounding.
-BARS = {"math": 0.9, "code": 0.55, "terminal": 0.85, "tools": 0.3}
+# fp32. Tools: 6 of 20 (0.3); one request of margin for a machine's native bf16 rounding.
+# Together 0.6 of the 80 at least, the target (the model reaches 0.675).
+BARS = {"math": 0.9, "code": 0.65, "terminal": 0.85, "tools": 0.25}
 
 MATH = [
     ("What is 17 * 23?", 391),
@@ -368,3 +368,4 @@ def test_the_full_tier_answers_natural_requests() -> None:
     print("natural-phrasing completion:", rates)
     for domain, bar in BARS.items():
         assert rates[domain] >= bar, (domain, rates)
+    assert sum(rates.values()) / len(rates) >= 0.6, rates
