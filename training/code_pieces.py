@@ -41,7 +41,7 @@ class CodePieces:
     def redraw(self, task: Task, rng: random.Random) -> Task:
         """The task with its code (`data["key"]`) replaced everywhere by one of the same
         prefix, length and case, or the task itself (not a chain, or not drawn)."""
-        key = task.data.get("key")
+        key = task.data.get("key") if task.domain == "tools" else None
         if not key or rng.random() >= self.share:
             return task
         prefix = next((p for p in PREFIXES if key.startswith(p)), "")
