@@ -205,13 +205,12 @@ def _find(source: str, request: str) -> int:
 def call_note(tool: dict, arguments: dict[str, Any], request: str) -> str:
     """The brief reasoning of a single-call reference turn: the tool, what it does in its
     schema's words, and each argument in the order the request gives them, so the copying
-    moves forward through the request (demo-full, noting them in the schema's order, wrote
-    passengers "four" for "three people" and cabin "business" for "first class", which the
-    request gives first, after working a date it gives last)."""
+    moves forward through the request. Meant for demo-full writing passengers "four" for
+    "three people" and cabin "business" for "first class", which the request gives first;
+    measured, it did not fix that (`full16` writes the new order with the same wrong values)."""
     name, description = tool["function"]["name"], tool["function"]["description"].rstrip(".")
-    stated = sorted((_value(key, value, request) for key, value in arguments.items()),
-                    key=lambda item: item[1])  # fmt: skip
-    values = ", ".join(note for note, _ in stated)
+    stated = [_value(key, value, request) for key, value in arguments.items()]
+    values = ", ".join(note for note, _ in sorted(stated, key=lambda item: item[1]))
     return f"This needs {name} ({description[0].lower() + description[1:]}), with {values}."
 
 
