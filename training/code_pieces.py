@@ -40,12 +40,8 @@ class CodePieces:
 
         return cls(share, made_of(CODE_CHARS), made_of(CODE_CHARS.lower()))
 
-    def redraw(self, task: Task, rng: random.Random) -> Task:
-        """The task with its code (`data["key"]`) replaced everywhere by one of the same
-        prefix, length and case, or the task itself (not a chain, or not drawn)."""
-        key = task.data.get("key") if task.domain == "tools" else None
-        if not key or rng.random() >= self.share:
-            return task
+    def like(self, key: str, rng: random.Random) -> str:
+        """A code of the same prefix, length and case as `key`, largely of merged pieces."""
         prefix = next((p for p in PREFIXES if key.startswith(p)), "")
         body = key[len(prefix) :]
         lower = body == body.lower()
@@ -54,6 +50,14 @@ class CodePieces:
         while len(code) < len(body):
             fits = [p for p in pieces if len(code) + len(p) <= len(body)]
             code += rng.choice(fits) if fits and rng.random() < PIECE_SHARE else rng.choice(chars)
-        old, new = (json.dumps(k, ensure_ascii=False)[1:-1] for k in (key, prefix + code))
+        return prefix + code
+
+    def redraw(self, task: Task, rng: random.Random) -> Task:
+        """The task with its code (`data["key"]`) replaced everywhere by one of the same
+        prefix, length and case, or the task itself (not a chain, or not drawn)."""
+        key = task.data.get("key") if task.domain == "tools" else None
+        if not key or rng.random() >= self.share:
+            return task
+        old, new = (json.dumps(k, ensure_ascii=False)[1:-1] for k in (key, self.like(key, rng)))
         data = json.loads(json.dumps(task.data, ensure_ascii=False).replace(old, new))
         return dataclasses.replace(task, data=data)

@@ -75,6 +75,8 @@ class DataConfig(BaseModel):
     copy_docs: float = Field(0.0, ge=0, le=1)  # pretrain: share of copy-dense documents
     # SFT: share of tool chains whose code is redrawn from merged pieces (`code_pieces`)
     merged_codes: float = Field(0.0, ge=0, le=1)
+    # SFT: share of examples that drill copying a chain's code (`copy_drills`)
+    copy_drills: float = Field(0.0, ge=0, le=1)
 
     @field_validator("mix")
     @classmethod

@@ -27,6 +27,7 @@ from serving.model.chat_format import split_reasoning
 from serving.model.tokenizer import Tokenizer
 from training.code_pieces import CodePieces
 from training.config import DataConfig
+from training.copy_drills import copy_drill
 from training.copy_text import copy_document
 from training.data import pretrain_documents, sft_examples
 from training.natural import out_of_domain
@@ -88,11 +89,17 @@ def chat_examples(
     data: DataConfig, style: Style, codes: CodePieces | None = None
 ) -> Iterator[dict]:
     """The SFT conversations; a share `data.out_of_domain` of them are requests outside the
-    domains, answered with what the tier can do. `codes`: see `sft_examples`."""
+    domains, answered with what the tier can do, and a share `data.copy_drills` copy drills
+    (which need `codes`). `codes`: see `sft_examples`."""
     domains = {name: get_domain(name) for name in data.mix}
     for i, (name, seed, difficulty) in enumerate(draw_tasks(data)):
-        if random.Random(f"ood:{data.seed}:{i}").random() < data.out_of_domain:
+        kind = random.Random(f"ood:{data.seed}:{i}").random()
+        if kind < data.out_of_domain:
             yield out_of_domain(seed, style)
+        elif kind < data.out_of_domain + data.copy_drills:
+            if codes is None:
+                raise ValueError("copy drills need the tokenizer's code pieces")
+            yield copy_drill(seed, style, codes, data.natural)
         else:
             examples = sft_examples(domains[name], [seed], [difficulty], style, data.natural, codes)
             yield next(examples)
@@ -146,7 +153,7 @@ def build_sft(
     eos = tokenizer.raw.token_to_id(tokenizer.eos_token)
     rows, skipped = [], 0
     source = "think" if teacher else style
-    codes = CodePieces.of(tokenizer, data.merged_codes) if data.merged_codes else None
+    codes = CodePieces.of(tokenizer, data.merged_codes)
     examples = chat_examples(data, source, codes)
     bar = tqdm(examples, total=data.examples, desc=f"sft data ({style})")
     for example in bar:
