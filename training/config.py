@@ -10,7 +10,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from training.tasks import DOMAINS
 
@@ -85,6 +92,12 @@ class DataConfig(BaseModel):
         if not mix or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
             raise ValueError("mix weights must be non-negative with a positive sum")
         return mix
+
+    @model_validator(mode="after")
+    def _shares_fit(self) -> "DataConfig":
+        if self.out_of_domain + self.copy_drills > 1:
+            raise ValueError("out_of_domain + copy_drills must be at most 1")
+        return self
 
 
 class DPOConfig(BaseModel):

@@ -59,3 +59,8 @@ def test_chat_examples_give_their_share_of_drills(codes: CodePieces) -> None:
     assert 18 <= kinds.count("copy") <= 42
     with pytest.raises(ValueError, match="copy drills"):
         list(chat_examples(data, "think"))
+
+
+def test_drills_and_outside_requests_cannot_take_more_than_every_example() -> None:
+    with pytest.raises(ValueError, match="at most 1"):
+        DataConfig(copy_drills=0.7, out_of_domain=0.4)
