@@ -15,9 +15,12 @@ examples an uninterrupted single-process run would, with no reader state to chec
 import json
 import os
 import random
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +39,12 @@ from training.tasks.base import Style
 from training.tokenizer import PAD_TOKEN
 
 IGNORE = -100  # label of positions that carry no loss
+# An example mostly waits on its reference's sandboxed runs (bash, python), so threads overlap
+# the waits: 150 SFT examples took 7.2 s one at a time and 4.0 s in 8 threads (2 cores, a
+# training run beside them).
+BUILD_THREADS = 8
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass
@@ -91,18 +100,37 @@ def chat_examples(
     """The SFT conversations; a share `data.out_of_domain` of them are requests outside the
     domains, answered with what the tier can do, and a share `data.copy_drills` copy drills
     (which need `codes`). `codes`: see `sft_examples`."""
+    if data.copy_drills and codes is None:
+        raise ValueError("copy drills need the tokenizer's code pieces")
     domains = {name: get_domain(name) for name in data.mix}
-    for i, (name, seed, difficulty) in enumerate(draw_tasks(data)):
+
+    def example(drawn: tuple[int, tuple[str, int, int]]) -> dict:
+        i, (name, seed, difficulty) = drawn
         kind = random.Random(f"ood:{data.seed}:{i}").random()
         if kind < data.out_of_domain:
-            yield out_of_domain(seed, style)
-        elif kind < data.out_of_domain + data.copy_drills:
-            if codes is None:
-                raise ValueError("copy drills need the tokenizer's code pieces")
-            yield copy_drill(seed, style, codes, data.natural)
-        else:
-            examples = sft_examples(domains[name], [seed], [difficulty], style, data.natural, codes)
-            yield next(examples)
+            return out_of_domain(seed, style)
+        if kind < data.out_of_domain + data.copy_drills:
+            return copy_drill(seed, style, codes, data.natural)
+        examples = sft_examples(domains[name], [seed], [difficulty], style, data.natural, codes)
+        return next(examples)
+
+    return in_order(example, enumerate(draw_tasks(data)))
+
+
+def in_order(fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+    """fn over items in `BUILD_THREADS` threads, yielded in the items' order (the data stay
+    a pure function of the config), never more than twice the threads ahead of the reader."""
+    pool = ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="build")
+    pending: deque = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= 2 * BUILD_THREADS:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def write_atomic(path: Path, write) -> None:
@@ -189,12 +217,15 @@ def pretrain_text(data: DataConfig) -> Iterator[str]:
     """Documents without chat markup, half of them in each style; a share `data.copy_docs`
     are copy exercises instead (`training.copy_text`)."""
     domains = {name: get_domain(name) for name in data.mix}
-    for i, (name, seed, difficulty) in enumerate(draw_tasks(data)):
+
+    def document(drawn: tuple[int, tuple[str, int, int]]) -> str:
+        i, (name, seed, difficulty) = drawn
         if random.Random(f"copydoc:{data.seed}:{i}").random() < data.copy_docs:
-            yield copy_document(seed)
-            continue
+            return copy_document(seed)
         style = "think" if random.Random(f"style:{data.seed}:{i}").random() < 0.5 else "short"
-        yield next(pretrain_documents(domains[name], [seed], [difficulty], style))
+        return next(pretrain_documents(domains[name], [seed], [difficulty], style))
+
+    return in_order(document, enumerate(draw_tasks(data)))
 
 
 def build_pretrain(data: DataConfig, tokenizer: Tokenizer, out: Path) -> Path:

@@ -1,6 +1,8 @@
 """Tokenized training sets and stage configs: what the trainer is fed."""
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -9,13 +11,17 @@ import pytest
 from serving.model.tokenizer import Tokenizer
 from training.config import ConfigError, DataConfig, load_stage_config
 from training.datasets import (
+    BUILD_THREADS,
     IGNORE,
     PretrainDataset,
     SampleOrder,
     SFTDataset,
     build_pretrain,
     build_sft,
+    chat_examples,
     draw_tasks,
+    in_order,
+    pretrain_text,
 )
 from training.tokenizer import PAD_TOKEN
 
@@ -114,3 +120,28 @@ def test_stage_config_errors_are_clear(tmp_path: Path) -> None:
         load_stage_config(None, ['data.mix={"poetry" = 1.0}'], stage="sft")
     config = load_stage_config(None, ["train.steps=7", "style=short"], stage="sft")
     assert config.train.steps == 7 and config.style == "short"
+
+
+def test_data_built_in_threads_are_the_data_built_one_at_a_time(monkeypatch) -> None:
+    data = DataConfig(examples=24, mix=MIX | {"code": 1.0}, natural=0.5, out_of_domain=0.1)
+    threaded = list(chat_examples(data, "think")), list(pretrain_text(data))
+    monkeypatch.setattr("training.datasets.BUILD_THREADS", 1)
+    assert threaded == (list(chat_examples(data, "think")), list(pretrain_text(data)))
+
+
+def test_in_order_keeps_order_and_runs_only_a_window_ahead_of_its_reader() -> None:
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def slow_first(i: int) -> int:
+        with lock:
+            started.append(i)
+        time.sleep(0.2 if i == 0 else 0.0)
+        return i * i
+
+    assert list(in_order(slow_first, range(40))) == [i * i for i in range(40)]
+    started.clear()
+    results = in_order(slow_first, range(1000))
+    assert next(results) == 0
+    results.close()  # the reader stops: queued work is cancelled, not run
+    assert len(started) <= 2 * BUILD_THREADS
