@@ -144,7 +144,8 @@ class CurriculumConfig(BaseModel):
     copy_loss_threshold: float = Field(0.5, gt=0)  # the EMA of the copy-position loss
     max_first_steps: int = Field(300, ge=0)  # move on regardless after this many steps
     loss_power: float = Field(1.0, ge=0)  # share ∝ data share * loss**power; 0: data's mix
-    min_share: float = Field(0.05, ge=0, le=1)  # no domain falls below this share
+    # no domain falls below this share, or below its share of the data where that is smaller
+    min_share: float = Field(0.05, ge=0, le=1)
     ema: float = Field(0.9, ge=0, lt=1)  # smoothing of the measured losses
     heldout_examples: int = Field(64, ge=1)  # copy-position loss printed with every eval
 

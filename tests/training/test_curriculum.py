@@ -72,6 +72,17 @@ def test_the_domain_mix_follows_the_measured_loss(tmp_path: Path) -> None:
     assert curriculum.mix()["tools"] == pytest.approx(0.1 / 1.1)  # the floor keeps it alive
 
 
+def test_the_floor_never_lifts_a_domain_above_its_share_of_the_data(tmp_path: Path) -> None:
+    rows = [{"domain": "math", "difficulty": 1, "prompt": [1], "completion": [3], "copy": []}] * 97
+    rows += [{"domain": "other", "difficulty": 1, "prompt": [1], "completion": [3], "copy": []}] * 3
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = CurriculumConfig(enabled=True, max_first_steps=0, min_share=0.15, ema=0.0)
+    curriculum = Curriculum(SFTDataset(path, 0), cfg, seed=0)
+    curriculum.sync([{"step": 0, "copy_loss": 1.0, "loss/math": 1.0, "loss/other": 0.001}])
+    assert curriculum.mix()["other"] == pytest.approx(0.03 / 1.03, rel=1e-3)
+
+
 def test_batches_are_a_function_of_the_log_so_a_resume_draws_the_same(tmp_path: Path) -> None:
     data, cfg = _dataset(tmp_path), CurriculumConfig(enabled=True, ema=0.5, max_first_steps=3)
     log = [_row(s, 1.0 / (s + 1), math=2.0 - s / 4) for s in range(6)]
