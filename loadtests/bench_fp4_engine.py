@@ -8,11 +8,12 @@ modules kept (`keep_fp4=True`, dequantizing per step) and as the CPU loads them 
 dequantized once at load to bf16. Prints the resident weight memory of each and its decode
 tokens/s (tokens generated once every request has its first token, over that time).
 
-With `--model DIR` (an FP4 checkpoint, e.g. models/demo-highspeed) it compares the ways
-that checkpoint can serve on this CPU instead, compiled as a server runs them: as `--dtype
-auto` loads it (dequantized to bf16 where the CPU has native bf16; where `auto` computes in
-fp32, the experts held in bf16 and widened per step), with its FP4 experts kept (dequantized
-per step), and dequantized at load to fp32 (`--dtype float32`).
+With `--model DIR` (a bf16 checkpoint, FP4 or not: models/demo-highspeed, models/demo-full)
+it compares the ways that checkpoint can serve on this CPU instead, compiled as a server runs
+them: as `--dtype auto` loads it (in bf16 where the CPU has native bf16; where `auto` computes
+in fp32, the decoder weights held in bf16 and widened as they are used), for an FP4 checkpoint
+with its FP4 experts kept (dequantized per step), and widened at load to fp32 (`--dtype
+float32`).
 
     python loadtests/bench_fp4_engine.py [--concurrency 1 4 16] [--new-tokens 128]
     python loadtests/bench_fp4_engine.py --model models/demo-highspeed --concurrency 1 4
@@ -28,6 +29,7 @@ from bench_engine import build_checkpoint, make_prompts
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint, quantize_checkpoint
+from serving.model.config import ModelConfig
 from serving.model.sampling import SamplingParams
 
 VARIANTS = {  # name: (format, all_linear), None for the unquantized checkpoint
@@ -90,7 +92,7 @@ def decode_tokens_per_second(engine: LLMEngine, prompts: list[list[int]], new: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/tierserve-bench-moe-43m"))
-    ap.add_argument("--model", type=Path, help="an FP4 checkpoint: auto against fp32, compiled")
+    ap.add_argument("--model", type=Path, help="a bf16 checkpoint: auto against fp32, compiled")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2, help="best of this many runs")
@@ -102,11 +104,9 @@ def main() -> None:
     full = args.model or build_checkpoint(args.checkpoint)
     engines, nbytes = {}, {}
     if args.model:
-        rows = {
-            "fp32": (full, "float32", None),
-            "auto": (full, "auto", None),
-            "auto, FP4 kept": (full, "auto", True),
-        }
+        rows = {"fp32": (full, "float32", None), "auto": (full, "auto", None)}
+        if ModelConfig.from_file(full / "config.json").quantization is not None:
+            rows["auto, FP4 kept"] = (full, "auto", True)
     else:
         paths = variant_checkpoints(full)
         rows = {name: (paths[variant], *how) for name, (variant, *how) in ROWS.items()}

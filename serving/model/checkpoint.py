@@ -65,13 +65,17 @@ def load_checkpoint(
     FP4 weights stay FP4 where the Triton kernels run (`keep_fp4=None`: on CUDA). On a CPU
     they are dequantized once, at load, to `dtype`: that serves at the speed of the
     unquantized model (FP4 per step costs 23-50% of decode speed, README "The CPU path"), in
-    the memory of a `dtype` checkpoint. Where `auto` computes wider than the checkpoint's
-    dtype (a bf16 checkpoint on a CPU without native bf16: fp32), the FP4 experts dequantize
-    to the checkpoint's dtype instead, and every expert weight (an MTP block's too) is held
-    there and widened per step, only the experts in use: bf16's memory for them (fp32 would
-    double it) at 0.97-0.99x fp32's speed, where FP4 per step runs at ~0.6x. FP4 linear layers
-    (`--all-linear`) stay FP4 there. A dtype named explicitly dequantizes everything to it.
-    `keep_fp4` overrides the choice."""
+    the memory of a `dtype` checkpoint.
+
+    Where `auto` computes wider than the checkpoint's dtype (a bf16 checkpoint on a CPU
+    without native bf16: fp32), the weights of the decoder layers (projections, routers,
+    experts; an MTP block's experts too) stay in the checkpoint's dtype and are widened as
+    they are used: inside the compiled decode steps' fused loops, per call in eager steps,
+    only the used experts in grouped ones. Widening bf16 is exact, so the model computes
+    what it would with fp32 weights, in half their memory, and no slower (a compiled step
+    reads half the bytes). FP4 experts dequantize to the checkpoint's dtype there (FP4 per
+    step runs at ~0.6x); FP4 linear layers (`--all-linear`) stay FP4. A dtype named
+    explicitly converts everything to it. `keep_fp4` overrides the choice."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
@@ -84,7 +88,6 @@ def load_checkpoint(
         widened = auto and dtype.itemsize > stored.itemsize
     model = CausalLM.empty(config)
     hf = read_safetensors(path, device)
-    narrow_experts = False  # experts held in the checkpoint's dtype, widened per step
     if config.quantization is not None:
         fmt = quantization.checkpoint_format(config.quantization)
         hf = quantization.unpack_state_dict(hf)
@@ -95,13 +98,16 @@ def load_checkpoint(
             with torch.device("meta"):
                 quantization.use_quantized_modules(model, hf, fmt)
         else:  # a plain model now: saving it must not claim FP4 weights
-            narrow_experts = widened
             hf = quantization.dequantize_state_dict(hf, fmt, stored if widened else dtype)
             config.quantization = None
     state = from_hf_state_dict(hf, model)
     # FP4 arrays keep their dtypes (uint8 codes and scales, fp32 row scales).
-    keep = FP4_PARTS + (("gate_up", "down") if narrow_experts else ())
-    state = {k: v if k.rpartition(".")[2] in keep else v.to(dtype) for k, v in state.items()}
+    state = {
+        k: v
+        if k.rpartition(".")[2] in FP4_PARTS or (widened and _held_narrow(k, v))
+        else v.to(dtype)
+        for k, v in state.items()
+    }
     model.load_state_dict(state, assign=True, strict=False)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -109,6 +115,14 @@ def load_checkpoint(
     cos, sin = rope_table(config.head_dim, config.max_position_embeddings, config.rope_theta)
     model.rotary.cos, model.rotary.sin = cos.to(device), sin.to(device)
     return model.eval()
+
+
+def _held_narrow(name: str, value: torch.Tensor) -> bool:
+    """A decoder layer's weight matrix or an expert weight: what `auto` keeps in the
+    checkpoint's dtype where it computes wider. The embedding (gathered, and the tied LM head
+    packed for oneDNN), the norms and an MTP block's eager projections are widened at load."""
+    leaf = name.rpartition(".")[2]
+    return leaf in ("gate_up", "down") or (name.startswith("layers.") and value.dim() >= 2)
 
 
 def save_checkpoint(

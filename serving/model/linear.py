@@ -11,6 +11,7 @@ and use inductor's own GEMM templates instead (`decode_graphs.inductor_config`).
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # Compiled decode steps of at most this many rows project by reduction (every graph size).
@@ -36,9 +37,10 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.onednn_weight, self.bias, "none", [], ""
             )
-        if not reduces(x):
-            return super().forward(x)
-        y = (x.unsqueeze(-2) * self.weight).sum(-1)
+        w = self.weight
+        if not reduces(x):  # a weight held narrower than x (`load_checkpoint`) is widened per call
+            return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), self.bias)
+        y = (x.unsqueeze(-2) * w).sum(-1)  # a narrower weight widens inside the fused loop
         return y if self.bias is None else y + self.bias
 
 

@@ -56,8 +56,8 @@ def grouped_experts(
     - otherwise (prefill, or few experts in use) each used expert runs one product over its
       exact, contiguous slice, wasting nothing on padding.
 
-    Expert weights stored narrower than x (an FP4 checkpoint's experts held in bf16 on a CPU
-    that computes in fp32) are widened as they are used, only the experts a step runs.
+    Expert weights stored narrower than x (a bf16 checkpoint's experts on a CPU that computes
+    in fp32, `load_checkpoint`) are widened as they are used, only the experts a step runs.
     """
     if x.shape[0] == 1:
         y = None

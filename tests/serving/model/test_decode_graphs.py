@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from kernels.modules import QuantizedWeight
 from serving.engine import llm_engine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
-from serving.model.checkpoint import load_checkpoint, quantize_checkpoint
+from serving.model.checkpoint import load_checkpoint, quantize_checkpoint, save_checkpoint
 from serving.model.decode_graphs import graph_sizes
 from serving.model.paged import TokenSpan
 from serving.model.sampling import SamplingParams
@@ -145,3 +145,35 @@ def test_bf16_graphs_match_eager_steps(tmp_path: Path, monkeypatch, any_dtype_na
     torch.testing.assert_close(compiled.float(), eager.float(), rtol=3e-2, atol=3e-2)
     for layer, keys in zip(layers, eager_keys, strict=True):
         torch.testing.assert_close(layer.self_attn.k_cache, keys, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.slow
+def test_bf16_weights_held_narrow_compute_what_fp32_weights_do(tmp_path: Path, monkeypatch):
+    """`auto` on a CPU without native bf16: a bf16 checkpoint's decoder weights stay bf16 (half
+    the memory) and widen as they are used. Widening is exact, so eager logits equal those of
+    the model widened at load, bit for bit, and compiled steps give its greedy tokens."""
+    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [4])
+    monkeypatch.setattr(
+        "serving.model.dtype.is_supported", lambda dtype, device=None: dtype == torch.float32
+    )
+    ckpt = tmp_path / "tiny-moe-bf16"
+    save_checkpoint(load_checkpoint(save_tiny_moe(tmp_path / "tiny-moe")).bfloat16(), ckpt)
+    narrow, wide = load_checkpoint(ckpt, "auto"), load_checkpoint(ckpt, "float32")
+    layer = narrow.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == layer.mlp.gate_up.dtype == torch.bfloat16
+    assert narrow.embed_tokens.weight.dtype == layer.input_layernorm.weight.dtype == torch.float32
+    assert wide.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    ids = torch.tensor(prompts(2, TINY_MOE["vocab_size"], seed=4)[0][:12])[None]
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        assert torch.equal(narrow(ids, positions), wide(ids, positions))
+    ps = prompts(3, TINY_MOE["vocab_size"], seed=5)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    config = dict(max_num_seqs=4, max_num_batched_tokens=16)
+    eager = LLMEngine(wide, EngineConfig(**config), eos_token_ids=[])
+    compiled = LLMEngine(narrow, EngineConfig(**config, enforce_eager=False), eos_token_ids=[])
+    compiled.runner.graphs.wait()
+    assert compiled.runner.graphs.num_ready == 1
+    want = [o[0].token_ids for o in eager.generate(ps, params)]
+    assert [o[0].token_ids for o in compiled.generate(ps, params)] == want
