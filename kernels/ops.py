@@ -3,17 +3,18 @@ tensors: Triton on CUDA, the PyTorch paths (`kernels/reference.py`, SDPA, BLAS) 
 
 - FP4 linears: `w4a16_linear` (Triton) or `reference.fp4_linear`;
 - experts (FP4 or plain): `fused_moe` (Triton) or the reference / grouped PyTorch experts;
-- decode attention over the paged KV cache: `paged_decode_attention` (Triton) or SDPA on the
-  gathered cache.
+- decode attention over the paged KV cache: `paged_decode_attention`, Triton on CUDA and the
+  C++ op of `kernels/cpu_attention.py` on a CPU, or SDPA on the gathered cache where that op
+  cannot be built (no C++ compiler; a warning says so).
 
 Callers branch on `use_triton` and call the Triton ops through here, so a test can force the
-Triton side on a CPU under `TRITON_INTERPRET=1` by patching `use_triton`. Nothing falls back
-quietly: a Triton op that cannot run raises.
+Triton side on a CPU under `TRITON_INTERPRET=1` by patching `use_triton`. Nothing else falls
+back: a Triton op that cannot run raises.
 """
 
 import torch
 
-from kernels import reference
+from kernels import cpu_attention, reference
 from kernels.formats import FP4Tensor
 
 
@@ -52,7 +53,18 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """The Triton paged decode attention: `kernels.triton_attention.paged_decode_attention`."""
-    from kernels.triton_attention import paged_decode_attention
+    """One query token per sequence over its cache blocks, read in place: Triton
+    (`kernels.triton_attention`) on CUDA, the C++ op (`kernels.cpu_attention`) on a CPU."""
+    if use_triton(q.device):
+        from kernels.triton_attention import paged_decode_attention
 
-    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return cpu_attention.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale
+    )
+
+
+def has_paged_decode_attention(device: torch.device) -> bool:
+    """Whether `paged_decode_attention` runs on `device`: always on CUDA; on a CPU once its C++
+    op is built (the first call builds it)."""
+    return use_triton(device) or (device.type == "cpu" and cpu_attention.available())

@@ -230,13 +230,22 @@ def _race(
     Done in log space, argmax(logit - log q), so no softmax is needed; q = -log(u) because
     uniform_ is ~4x faster than exponential_ on CPU. A seeded row draws u over the whole
     vocabulary from its own generator, indexed by token id, so its draw does not depend on
-    the batch (nor on the `candidates` columns, the top-k the batch was cut to).
+    the batch (nor on the `candidates` columns, the top-k the batch was cut to); the batch's
+    own draw is skipped when every row has a generator (rollouts seed each sample), and a
+    seeded row over the whole vocabulary draws straight into its row.
     """
-    u = torch.empty_like(logits).uniform_()
+    seeded = [row.generator is not None and not greedy[i] for i, row in enumerate(rows)]
+    u = torch.empty_like(logits)
+    if not all(seeded):
+        u.uniform_()
     for i, row in enumerate(rows):
-        if row.generator is not None and not greedy[i]:
+        if not seeded[i]:
+            continue
+        if candidates is None:
+            u[i].uniform_(generator=row.generator)
+        else:
             draw = torch.empty(vocab, device=logits.device).uniform_(generator=row.generator)
-            u[i] = draw if candidates is None else draw[candidates[i]]
+            u[i] = draw[candidates[i]]
     sampled = logits.sub_(u.log_().neg_().log_()).argmax(dim=-1)
     if candidates is None:
         return sampled

@@ -11,10 +11,9 @@ its speculative drafts, the tail of a prompt) are batched into one more call, pa
 the longest; longer prefill chunks get one call each. Chunks see the cached prefix and
 themselves, causally.
 
-On the CPU, decodes whose sequences share leading blocks (the n samples of one prompt, as
-rollouts send them) attend in two parts, as FlashInfer's cascade attention does: each group's
-queries together over its shared prefix, read once, and each sequence over the rest of its
-cache; the two softmaxes merge by their log-sum-exps.
+Decodes read their blocks in place (`kernels.ops.paged_decode_attention`: Triton on a GPU,
+a C++ op on a CPU); chunks, and decodes where the C++ op cannot be built, gather their blocks
+into one tensor for SDPA.
 """
 
 from dataclasses import dataclass, field
@@ -77,89 +76,6 @@ class ShortChunks:
 
 
 @dataclass
-class SharedPrefixes:
-    """J groups of decodes (up to G each) sharing their first blocks, for cascade attention.
-    Decode indices refer to the step's decodes; a group's slot `j * G + i` is its i-th member,
-    padded with its first."""
-
-    prefix_tables: torch.Tensor  # [J, max prefix blocks] long, padded
-    prefix_mask: torch.Tensor  # [J, 1, 1, max prefix blocks * block_size] additive
-    members: torch.Tensor  # [J * G] long: the decode in each slot
-    slot: torch.Tensor  # [num_decodes] long: each decode's slot (0 if in no group)
-    grouped: torch.Tensor  # [num_decodes] bool
-    suffix_tables: torch.Tensor  # [num_decodes, max suffix blocks] long: the blocks after it
-    suffix_mask: torch.Tensor  # [num_decodes, 1, 1, max suffix blocks * block_size] additive
-
-    @classmethod
-    def build(
-        cls, groups: list[tuple[list[int], int]], tables: list[list[int]], context_lens: list[int],
-        block_size: int, dtype: torch.dtype, device: torch.device,
-    ) -> "SharedPrefixes":  # fmt: skip
-        """`groups`: (decode indices, blocks they share); `tables` and `context_lens` of every
-        decode."""
-        width = max(len(rows) for rows, _ in groups)
-        members, slot = [], [0] * len(tables)
-        prefix = [0] * len(tables)
-        for j, (rows, shared) in enumerate(groups):
-            members.extend(rows + rows[:1] * (width - len(rows)))
-            for i, r in enumerate(rows):
-                slot[r], prefix[r] = j * width + i, shared
-        shared_lens = torch.tensor([p * block_size for _, p in groups], device=device)
-        suffix_lens = [n - p * block_size for n, p in zip(context_lens, prefix, strict=True)]
-        prefix_tables = padded_tables([tables[rows[0]][:p] for rows, p in groups], device)
-        suffix_tables = padded_tables([t[p:] for t, p in zip(tables, prefix, strict=True)], device)
-        return cls(
-            prefix_tables,
-            length_mask(shared_lens, prefix_tables.shape[1] * block_size, dtype),
-            torch.tensor(members, device=device),
-            torch.tensor(slot, device=device),
-            torch.tensor([p > 0 for p in prefix], device=device),
-            suffix_tables,
-            length_mask(
-                torch.tensor(suffix_lens, device=device), suffix_tables.shape[1] * block_size, dtype
-            ),
-        )
-
-    def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """q [B, heads, d] of the step's decodes -> [B, heads, d]."""
-        b, d = q.shape[0], q.shape[-1]
-        kv_heads = k_cache.shape[2]
-        group = q.shape[1] // kv_heads
-        qd = q.view(b, kv_heads, group, d)
-        j = self.prefix_tables.shape[0]
-        # Each group's members' queries side by side, where a query length goes.
-        qp = qd.index_select(0, self.members).view(j, -1, kv_heads, group, d)
-        qp = qp.transpose(1, 2).reshape(j, kv_heads, -1, d)
-        kp = _gather(k_cache, self.prefix_tables, q.dtype)
-        vp = _gather(v_cache, self.prefix_tables, q.dtype)
-        op, lp = _attention_lse(qp, kp, vp, self.prefix_mask, scale)
-        op = op.view(j, kv_heads, -1, group, d).transpose(1, 2).reshape(-1, kv_heads, group, d)
-        lp = lp.view(j, kv_heads, -1, group).transpose(1, 2).reshape(-1, kv_heads, group)
-        op, lp = op.index_select(0, self.slot), lp.index_select(0, self.slot)
-        lp = lp.masked_fill(~self.grouped[:, None, None], float("-inf"))
-        ks = _gather(k_cache, self.suffix_tables, q.dtype)
-        vs = _gather(v_cache, self.suffix_tables, q.dtype)
-        os, ls = _attention_lse(qd, ks, vs, self.suffix_mask, scale)
-        top = torch.maximum(lp, ls)  # the suffix holds the query's own token: never -inf
-        wp, ws = (lp - top).exp()[..., None], (ls - top).exp()[..., None]
-        o = (op.float() * wp + os.float() * ws) / (wp + ws)
-        return o.to(q.dtype).view(b, -1, d)
-
-
-def _attention_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA's CPU flash kernel (what `F.scaled_dot_product_attention` runs here), called for
-    the log-sum-exp of each query's scores [B, H, L] (fp32) that it returns beside the output."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=mask, scale=scale
-    )
-    return out, lse
-
-
-@dataclass
 class PrefillChunk:
     start: int  # first token of the chunk in the step's flat token array
     length: int  # tokens in the chunk
@@ -175,8 +91,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] long
     prefills: list[PrefillChunk] = field(default_factory=list)
     short: ShortChunks | None = None
-    shared: SharedPrefixes | None = None  # the CPU's cascade attention for the decodes
-    # Built once per step for decode attention: additive mask hiding padded cache slots.
+    # Built once per step for SDPA's decode attention: additive mask hiding padded cache slots.
     decode_mask: torch.Tensor | None = None
     # A compiled decode step: attention written out in the graph (`graph_decode_attention`),
     # the block tables as wide as the longest context needs.
@@ -184,9 +99,8 @@ class AttentionMetadata:
 
     def prepare(self, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Precompute what every layer would otherwise rebuild; masks in the queries' dtype.
-        The decode mask is for SDPA without cascade only: the Triton kernel reads the context
-        lengths, and shared prefixes carry masks of their own."""
-        if self.num_decodes and self.shared is None and not ops.use_triton(device):
+        The decode mask is for SDPA only: the paged kernels read the context lengths."""
+        if self.num_decodes and not ops.has_paged_decode_attention(device):
             width = self.decode_block_tables.shape[1] * block_size
             self.decode_mask = length_mask(self.decode_context_lens, width, dtype)
 
@@ -226,18 +140,15 @@ def paged_attention(
     nd = meta.num_decodes
     out = torch.empty_like(q) if meta.prefills or meta.short else None
     if nd:
-        if meta.shared is not None:
-            o = meta.shared.attend(q[:nd], k_cache, v_cache, scale)
-        else:
-            o = decode_attention(
-                q[:nd],
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                meta.decode_mask,
-                scale,
-            )
+        o = decode_attention(
+            q[:nd],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            meta.decode_mask,
+            scale,
+        )
         if out is None:  # a decode-only step, the common case
             return o
         out[:nd] = o
@@ -266,14 +177,14 @@ def decode_attention(
     mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence, q [B, heads, d] -> [B, heads, d]: the Triton paged kernel where
-    `kernels/ops.py` says so (CUDA), else SDPA on the gathered cache.
+    """One query per sequence, q [B, heads, d] -> [B, heads, d]: the paged kernel of
+    `kernels/ops.py` (Triton on CUDA, C++ on a CPU), else SDPA on the gathered cache.
 
     SDPA reads only the blocks the longest context needs: `block_tables` ([B, width]) and `mask`
     ([B, 1, 1, width * block_size], additive) may be wider (block tables padded to the longest
     one in the batch).
     """
-    if ops.use_triton(q.device):
+    if ops.has_paged_decode_attention(q.device):
         return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     block_size = k_cache.shape[1]
     blocks = -(-int(context_lens.max()) // block_size)

@@ -9,7 +9,6 @@ samples from it; a draft model runs on one of its own, and the MTP drafter reuse
 target's.
 """
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,6 @@ from serving.model.attention import (
     SHORT_CHUNK,
     AttentionMetadata,
     PrefillChunk,
-    SharedPrefixes,
     ShortChunks,
     padded_tables,
 )
@@ -34,36 +32,6 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     per_token = 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
     layers = config.num_hidden_layers + (config.mtp.num_layers if config.mtp else 0)
     return per_token * block_size * layers
-
-
-def shared_prefix_groups(
-    tables: list[list[int]], context_lens: list[int], block_size: int
-) -> list[tuple[list[int], int]]:
-    """Decodes whose block tables begin with the same blocks, as (their indices, how many
-    blocks they share). A block id shared at the same position is a shared prefix: only full,
-    computed blocks are ever shared (through the prefix cache), and a decode's own token lies
-    in a block it owns. Where a group splits further (a common template block, then each
-    prompt's n samples), the deepest groups are kept; a decode left alone belongs to none."""
-    full = [(n - 1) // block_size for n in context_lens]  # blocks wholly before the token
-    groups: list[tuple[list[int], int]] = []
-
-    def split(rows: list[int], depth: int) -> None:  # rows share their first `depth` blocks
-        if len(rows) < 2:
-            return
-        while depth < min(full[r] for r in rows) and len({tables[r][depth] for r in rows}) == 1:
-            depth += 1
-        children: dict[int, list[int]] = defaultdict(list)
-        for r in rows:
-            if depth < full[r]:
-                children[tables[r][depth]].append(r)
-        deeper = [c for c in children.values() if len(c) > 1]
-        for c in deeper:
-            split(c, depth + 1)
-        if not deeper and depth:
-            groups.append((rows, depth))
-
-    split(list(range(len(tables))), 0)
-    return groups
 
 
 @dataclass
@@ -115,6 +83,9 @@ class PagedModel:
                     attn.k_norm.weight.detach().expand(attn.num_kv_heads, -1),
                 )
             )
+        # The CPU's paged decode attention is compiled on its first use (tens of seconds on
+        # a machine that never built it): at the start, not in the first request's step.
+        ops.has_paged_decode_attention(self.device)
         self.graphs = None
         if graph_sizes:
             max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // block_size))
@@ -132,19 +103,10 @@ class PagedModel:
         ids = [s.token_ids[0] for s in spans[:nd]]
         positions = [s.start for s in spans[:nd]]
         slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in spans[:nd]]
-        tables = lens = shared = None
+        tables = lens = None
         if nd:
-            decode_tables = [s.block_table for s in spans[:nd]]
-            context_lens = [p + 1 for p in positions]
-            tables = padded_tables(decode_tables, self.device)
-            lens = self._tensor(context_lens)
-            if not ops.use_triton(self.device):
-                groups = shared_prefix_groups(decode_tables, context_lens, bs)
-                # Worth a second attention call when it saves a block per decode.
-                if sum((len(rows) - 1) * n for rows, n in groups) >= nd:
-                    shared = SharedPrefixes.build(
-                        groups, decode_tables, context_lens, bs, self.dtype, self.device
-                    )
+            tables = padded_tables([s.block_table for s in spans[:nd]], self.device)
+            lens = self._tensor([p + 1 for p in positions])
         prefills: list[PrefillChunk] = []
         short: list[tuple[TokenSpan, int]] = []
         for s in spans[nd:]:
@@ -162,7 +124,6 @@ class PagedModel:
             decode_block_tables=tables,
             decode_context_lens=lens,
             prefills=prefills,
-            shared=shared,
         )
         if short:
             meta.short = ShortChunks.build(

@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import kernels.triton_attention
 import kernels.triton_gemm
 from kernels import ops
 from serving.cli import main
@@ -61,9 +62,8 @@ def triton_calls(monkeypatch) -> dict[str, int]:
         return wrapper
 
     monkeypatch.setattr(ops, "use_triton", lambda device: True)
-    monkeypatch.setattr(
-        ops, "paged_decode_attention", counted("attention", ops.paged_decode_attention)
-    )
+    attention = counted("attention", kernels.triton_attention.paged_decode_attention)
+    monkeypatch.setattr(kernels.triton_attention, "paged_decode_attention", attention)
     monkeypatch.setattr(ops, "fused_moe", counted("moe", ops.fused_moe))
     linear = counted("linear", kernels.triton_gemm.w4a16_linear)
     monkeypatch.setattr(kernels.triton_gemm, "w4a16_linear", linear)

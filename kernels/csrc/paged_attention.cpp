@@ -1,0 +1,185 @@
+// Paged decode attention on a CPU: one query token per sequence, keys and values read where
+// they lie in the block-paged cache, with no gathered copy.
+//
+// The op `tierserve_cpu::paged_decode_attention` takes
+//   q [B, H, D] float32, k_cache and v_cache [num_blocks, block_size, KV, D] (float32,
+//   bfloat16 or float16), block_tables [B, W] int64, context_lens [B] int64, scale
+// and returns [B, H, D] float32. Sequences run in parallel on ATen's thread pool.
+//
+// Per sequence, keys are read token by token, each token's KV * D values once for all H
+// query heads (the heads sharing a kv head read the same row), into fp32 scores; then the
+// softmax's exponentials per head, the weighted sum of the values, read the same way, and
+// the division by the exponentials' sum (SDPA's order of operations). Sequences
+// whose block tables share leading blocks (the n samples of one prompt) run one after
+// another on a thread, so the shared blocks are read from the cache the first one warmed.
+// The head dimension is a template constant for the common sizes, so the inner loops unroll
+// into a few vector instructions.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 (a score minus its row's maximum) in a form the compiler vectorizes:
+// 2^(x log2(e)) = 2^n * 2^f, with 2^f on [0, 1) by a degree-6 polynomial (relative error
+// ~2e-7, below fp32's rounding of the sums it feeds) and 2^n built in the exponent bits.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::floor(t);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+// kHeadDim > 0 fixes the head dimension at compile time; 0 reads it at run time.
+template <typename cache_t, int64_t kHeadDim>
+void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_cache,
+                      const int64_t* block_tables, const int64_t* context_lens, float* out,
+                      int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                      int64_t block_size, int64_t table_width, float scale) {
+  const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
+  const int64_t group = heads / kv_heads;
+  const int64_t row = kv_heads * D;  // one token's keys (or values), every kv head
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(heads * D), inverse_totals(heads);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = context_lens[b];
+      const int64_t* table = block_tables + b * table_width;
+      const float* qb = q + b * heads * D;
+      scores.resize(heads * len);
+      for (int64_t start = 0, i = 0; start < len; start += block_size, ++i) {
+        const cache_t* block = k_cache + table[i] * block_size * row;
+        const int64_t n = std::min(block_size, len - start);
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t h = 0; h < heads; ++h) {
+            const cache_t* k = block + j * row + (h / group) * D;
+            const float* qh = qb + h * D;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; ++d) s += qh[d] * static_cast<float>(k[d]);
+            scores[h * len + start + j] = s * scale;
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        float* s = scores.data() + h * len;
+        const float top = *std::max_element(s, s + len);
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = exp_nonpositive(s[t] - top);
+          total += s[t];
+        }
+        inverse_totals[h] = 1.0f / total;
+        // The weights in the cache's dtype, as SDPA's flash kernel rounds them for its
+        // half-precision product: a bf16 engine then rounds as transformers does in bf16.
+        if constexpr (!std::is_same_v<cache_t, float>) {
+          for (int64_t t = 0; t < len; ++t) s[t] = static_cast<float>(static_cast<cache_t>(s[t]));
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t start = 0, i = 0; start < len; start += block_size, ++i) {
+        const cache_t* block = v_cache + table[i] * block_size * row;
+        const int64_t n = std::min(block_size, len - start);
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t h = 0; h < heads; ++h) {
+            const cache_t* v = block + j * row + (h / group) * D;
+            const float p = scores[h * len + start + j];
+            float* a = acc.data() + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+          }
+        }
+      }
+      float* o = out + b * heads * D;
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc[h * D + d] * inverse_totals[h];
+    }
+  });
+}
+
+template <typename cache_t>
+void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& context_lens,
+                       at::Tensor& out, double scale) {
+  const int64_t D = q.size(2);
+  auto run = [&](auto kernel) {
+    kernel(q.data_ptr<float>(), k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(),
+           block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+           out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2), D, k_cache.size(1),
+           block_tables.size(1), static_cast<float>(scale));
+  };
+  switch (D) {
+    case 64: return run(decode_attention<cache_t, 64>);
+    case 128: return run(decode_attention<cache_t, 128>);
+    default: return run(decode_attention<cache_t, 0>);
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B, H, D] and caches [N, bs, KV, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must match in shape and dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "head dims differ, or query heads are not a multiple of kv heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
+              "one block table and one context length per query");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "inputs must be contiguous");
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t most = block_tables.size(1) * k_cache.size(1);
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= most, "context length ", lens[b], " of sequence ", b,
+                " is not in [1, ", most, "], what its block table holds");
+  at::Tensor out = at::empty_like(q);
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      dispatch_head_dim<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+      break;
+    case at::kBFloat16:
+      dispatch_head_dim<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out,
+                                      scale);
+      break;
+    case at::kHalf:
+      dispatch_head_dim<at::Half>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "the cache must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tierserve_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}
