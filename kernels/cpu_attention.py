@@ -25,7 +25,17 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]  # simd pragmas only: ATen's thread pool
+
+
+def _flags() -> list[str]:
+    """The machine's instruction set, and ATen's vector types built for the capability
+    PyTorch's own kernels use here (AVX512, AVX2; elsewhere ATen's portable DEFAULT)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX512", "AVX2"):
+        capability = "DEFAULT"
+    return ["-O3", "-march=native", f"-DCPU_CAPABILITY={capability}"] + (
+        [f"-DCPU_CAPABILITY_{capability}"] if capability != "DEFAULT" else []
+    )
 
 _lock = threading.Lock()
 
@@ -36,7 +46,7 @@ def _load() -> bool:
 
     try:
         cpp_extension.load(
-            "tierserve_cpu_ops", [str(SOURCE)], extra_cflags=FLAGS, is_python_module=False
+            "tierserve_cpu_ops", [str(SOURCE)], extra_cflags=_flags(), is_python_module=False
         )
     except (OSError, RuntimeError) as exc:  # no compiler or ninja, or a failed build
         lines = str(exc).splitlines() or [type(exc).__name__]
