@@ -37,6 +37,7 @@ def _flags() -> list[str]:
         [f"-DCPU_CAPABILITY_{capability}"] if capability != "DEFAULT" else []
     )
 
+
 _lock = threading.Lock()
 
 
@@ -57,6 +58,10 @@ def _load() -> bool:
             reason.strip(),
         )
         return False
+    # What the op returns, for the compiled decode steps that call it (`torch.compile`).
+    torch.library.register_fake("tierserve_cpu::paged_decode_attention")(
+        lambda q, k_cache, v_cache, block_tables, context_lens, scale: torch.empty_like(q)
+    )
     return True
 
 

@@ -93,9 +93,11 @@ class AttentionMetadata:
     short: ShortChunks | None = None
     # Built once per step for SDPA's decode attention: additive mask hiding padded cache slots.
     decode_mask: torch.Tensor | None = None
-    # A compiled decode step: attention written out in the graph (`graph_decode_attention`),
-    # the block tables as wide as the longest context needs.
+    # A compiled decode step (`graph_decode_attention`), the block tables as wide as the
+    # longest context needs; attention there is the paged decode op where it is built
+    # (`paged_kernel`), else written out in the graph.
     in_graph: bool = False
+    paged_kernel: bool = False
 
     def prepare(self, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Precompute what every layer would otherwise rebuild; masks in the queries' dtype.
@@ -209,18 +211,23 @@ def graph_decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """A decode step's cache write and attention, written out for a compiled decode step:
-    inductor fuses the scores, softmax and weighted values into a few loops that read each key
-    and value through the block table where it lies, with no gathered copy and no Python
-    between layers. The block tables' width is a dynamic dimension of the graph, so one graph
-    serves every context length. q [B, heads, d], k and v [B, kv_heads, d] -> [B, heads, d].
+    """A compiled decode step's cache write and attention, q [B, heads, d], k and v
+    [B, kv_heads, d] -> [B, heads, d]. The block tables' width is a dynamic dimension of the
+    graph, so one graph serves every context length.
 
-    Against SDPA on gathered keys behind an opaque op (how these steps attended before), in the
-    engine on the benchmark model, fp32 steps of 8 / 16 / 32 sequences took 16.5 / 25.8 / 46.1
-    against 19.2 / 30.0 / 50.8 ms (median of 6 alternating rounds, 2 vCPU Zen 3); per layer,
-    alone, 1 / 2 / 4 sequences 65 / 96 / 229 against 267 / 230 / 368 us."""
+    Attention is the paged decode op where it is built (`meta.paged_kernel`): an opaque call
+    in the graph that reads keys and values in place. Otherwise it is written out here, and
+    inductor fuses the scores, softmax and weighted values into a few loops that read each key
+    and value through the block table. The op against the written-out form, compiled steps on
+    the benchmark model, fp32, one thread (`bench_engine.py --dtypes float32 --threads 1`):
+    290-321 / 466-482 / 651-689 tok/s (two runs) against 292 / 413 / 593 at 1 / 4 / 16 streams.
+    The written-out form against SDPA on gathered keys behind an opaque op (how these steps
+    attended before it), fp32 steps of 8 / 16 / 32 sequences took 16.5 / 25.8 / 46.1 against
+    19.2 / 30.0 / 50.8 ms."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    if meta.paged_kernel:
+        return ops.paged_decode_attention(q, k_cache, v_cache, tables.contiguous(), lens, scale)
     b, width = tables.shape
     block_size, kv_heads, d = k_cache.shape[1:]
     offsets = torch.arange(block_size, device=q.device)

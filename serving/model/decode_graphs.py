@@ -14,9 +14,11 @@ sequence (drafts to verify, a short prefill chunk) takes one row per token
 Inputs live in preallocated buffers: token ids, positions, slots, context lengths, block
 tables padded to the longest a sequence can have. Padding rows write their keys and values
 to a scratch block that no sequence owns, so they never touch real cache entries. Attention
-is written out in the graph (`graph_decode_attention`) over the block tables cut to the
-longest context, a dynamic dimension of the graph; only FP4 experts stay eager code, behind
-a `torch.library` op (`tierserve::fp4_moe_experts`) that the graphs call.
+is the paged decode op (`tierserve_cpu::paged_decode_attention`, `kernels/cpu_attention.py`)
+called in the graph, or where that cannot be built, written out in it; either reads the block
+tables cut to the longest context, a dynamic dimension of the graph (`graph_decode_attention`).
+FP4 experts stay eager code too, behind a `torch.library` op (`tierserve::fp4_moe_experts`)
+that the graphs call.
 
 Graphs are compiled when the engine starts, in a background thread, smallest size first;
 until a size is ready its batches run eagerly. Compiling first would hold the server's
@@ -39,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import ops
 from serving.model.attention import AttentionMetadata, padded_tables
 from serving.model.causal_lm import CausalLM
 
@@ -147,6 +150,8 @@ class DecodeGraphs:
         self.sizes = sizes
         self.block_size = block_size
         self.scratch_block = scratch_block
+        # Attention as the paged decode op inside the graph where it is built, else written out.
+        self.paged_kernel = ops.has_paged_decode_attention(torch.device("cpu"))
         padding = functools.partial(
             _Inputs.padding,
             max_blocks=max_blocks,
@@ -240,5 +245,6 @@ class DecodeGraphs:
             decode_block_tables=tables,
             decode_context_lens=inputs.context_lens,
             in_graph=True,
+            paged_kernel=self.paged_kernel,
         )
         return self.forward(inputs.ids, inputs.positions, meta)

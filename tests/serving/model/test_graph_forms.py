@@ -1,13 +1,14 @@
 """What a compiled decode step writes out instead of calling an op, against what the other
 steps run: projections as reductions (`serving/model/linear.py`) and decode attention in the
-graph (`graph_decode_attention`) over block tables of any width, with no recompilation; and
-the eager LM head's oneDNN layout against the plain product."""
+graph (`graph_decode_attention`, the paged op or written out) over block tables of any width,
+with no recompilation; and the eager LM head's oneDNN layout against the plain product."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from kernels import cpu_attention
 from serving.model.attention import (
     AttentionMetadata,
     decode_attention,
@@ -95,9 +96,14 @@ def _cache(blocks: int, block_size: int, kv_heads: int, d: int, g: torch.Generat
     )
 
 
-def test_graph_attention_matches_sdpa_at_every_context_without_recompiling():
+@pytest.mark.parametrize("paged_kernel", [True, False], ids=["paged-op", "written-out"])
+def test_graph_attention_matches_sdpa_at_every_context_without_recompiling(
+    paged_kernel: bool, monkeypatch
+):
     """One compiled function, called with contexts of 2 to 9 blocks (the width dynamic), gives
-    what the op's SDPA path gives, and writes the step's keys and values where it does."""
+    what SDPA on the gathered cache gives, and writes the step's keys and values where it does:
+    with the paged decode op in the graph, and written out where that op cannot be built."""
+    assert cpu_attention.available()
     g = torch.Generator().manual_seed(0)
     b, heads, kv_heads, d, bs, num_blocks = 3, 4, 2, 16, 4, 40
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:12] for _ in range(b)])
@@ -112,14 +118,21 @@ def test_graph_attention_matches_sdpa_at_every_context_without_recompiling():
         k_cache, v_cache = _cache(num_blocks, bs, kv_heads, d, g)
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         meta = AttentionMetadata(
-            slots, b, tables[:, :width], decode_context_lens=lens, in_graph=True
+            slots,
+            b,
+            tables[:, :width],
+            decode_context_lens=lens,
+            in_graph=True,
+            paged_kernel=paged_kernel,
         )
         torch._dynamo.mark_dynamic(meta.decode_block_tables, 1)
         with torch.inference_mode():
             got = compiled(q, k, v, k_cache, v_cache, meta, d**-0.5)
             write_kv(k_ref, v_ref, k, v, slots)
-            mask = length_mask(lens, tables.shape[1] * bs, torch.float32)
-            want = decode_attention(q, k_ref, v_ref, tables, lens, mask, d**-0.5)
+            with monkeypatch.context() as sdpa:  # decode attention as SDPA on gathered blocks
+                sdpa.setattr(cpu_attention, "available", lambda: False)
+                mask = length_mask(lens, tables.shape[1] * bs, torch.float32)
+                want = decode_attention(q, k_ref, v_ref, tables, lens, mask, d**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(k_cache, k_ref)
         torch.testing.assert_close(v_cache, v_ref)
