@@ -6,10 +6,10 @@ It replaced SDPA's flash kernel on a gathered copy of the cache (`index_select` 
 block, then one batched call) with cascade attention for decodes sharing prompt blocks. At the
 rollouts' shape (64 decodes, 8 prompts x 8 samples, 100-400 keys) the copies cost nearly as
 much as the attention: a step took 39 ms that way and takes 26 ms reading in place (one
-thread; `python loadtests/bench_rollouts.py`: 1.55-1.86x transformers before, 2.50-3.00x after).
+thread; `python loadtests/bench_rollouts.py`: 1.55-1.86x transformers before, 2.64-3.13x after).
 
 The op is compiled on first use by `torch.utils.cpp_extension` (ninja and the machine's C++
-compiler, about 30 s) into torch's extension cache (`$TORCH_EXTENSIONS_DIR`, default
+compiler, about 10 s) into torch's extension cache (`$TORCH_EXTENSIONS_DIR`, default
 `~/.cache/torch_extensions`), then loaded from there in well under a second. It is built for
 the machine's own instruction set (`-march=native`): a cache directory shared by machines of
 different CPUs needs `TORCH_EXTENSIONS_DIR` set per kind of machine.
