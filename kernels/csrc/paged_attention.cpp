@@ -183,11 +183,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(),
               "inputs must be contiguous");
+  // What the loops will read, checked first: a context within its block table, and blocks
+  // within the cache.
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t most = block_tables.size(1) * k_cache.size(1);
-  for (int64_t b = 0; b < q.size(0); ++b)
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= most, "context length ", lens[b], " of sequence ", b,
-                " is not in [1, ", most, "], what its block table holds");
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t block_size = k_cache.size(1), width = block_tables.size(1);
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * block_size, "context length ", lens[b],
+                " of sequence ", b, " is not in [1, ", width * block_size,
+                "], what its block table holds");
+    for (int64_t i = 0; i * block_size < lens[b]; ++i)
+      TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < k_cache.size(0), "block ",
+                  tables[b * width + i], " of sequence ", b, " is not in the cache's ",
+                  k_cache.size(0), " blocks");
+  }
   at::Tensor out = at::empty_like(q);
   switch (k_cache.scalar_type()) {
     case at::kFloat:

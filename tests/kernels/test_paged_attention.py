@@ -99,7 +99,8 @@ def test_bad_layouts_are_refused():
 
 def test_the_cpp_op_refuses_what_it_cannot_read():
     """Clear errors, never a read past the cache: a context longer than its block table, a
-    context of nothing, heads that do not group, caches that differ, an unsupported dtype."""
+    context of nothing, a block past the cache, heads that do not group, caches that differ,
+    an unsupported dtype."""
     assert cpu_attention.available()
     op = cpu_attention.paged_decode_attention
     q = torch.zeros(1, 4, 16)
@@ -109,6 +110,8 @@ def test_the_cpp_op_refuses_what_it_cannot_read():
         with pytest.raises(RuntimeError, match="not in \\[1, 4\\]"):
             op(q, cache, cache, tables, lens, 1.0)
     lens = torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="block 2 of sequence 0 is not in the cache's 2"):
+        op(q, cache, cache, torch.full((1, 1), 2), lens, 1.0)
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         op(q[:, :3], cache, cache, tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="must match"):
