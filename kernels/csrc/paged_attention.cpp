@@ -93,6 +93,18 @@ inline float exponentials(float* s, int64_t len, float top) {
   return total;
 }
 
+// f(t, row) for each of a sequence's first `len` tokens, `row` its `row_size` cached values
+// (every kv head), walked block by block through its block table.
+template <typename cache_t, typename F>
+inline void for_each_token(const cache_t* cache, const int64_t* table, int64_t len,
+                           int64_t block_size, int64_t row_size, F&& f) {
+  for (int64_t start = 0, i = 0; start < len; start += block_size, ++i) {
+    const cache_t* block = cache + table[i] * block_size * row_size;
+    const int64_t n = std::min(block_size, len - start);
+    for (int64_t j = 0; j < n; ++j) f(start + j, block + j * row_size);
+  }
+}
+
 // kHeadDim > 0 fixes the head dimension at compile time; 0 reads it at run time.
 template <typename cache_t, int64_t kHeadDim>
 void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_cache,
@@ -109,16 +121,10 @@ void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_c
       const int64_t* table = block_tables + b * table_width;
       const float* qb = q + b * heads * D;
       scores.resize(heads * len);
-      for (int64_t start = 0, i = 0; start < len; start += block_size, ++i) {
-        const cache_t* block = k_cache + table[i] * block_size * row;
-        const int64_t n = std::min(block_size, len - start);
-        for (int64_t j = 0; j < n; ++j) {
-          for (int64_t h = 0; h < heads; ++h) {
-            const cache_t* k = block + j * row + (h / group) * D;
-            scores[h * len + start + j] = dot(qb + h * D, k, D) * scale;
-          }
-        }
-      }
+      for_each_token(k_cache, table, len, block_size, row, [&](int64_t t, const cache_t* keys) {
+        for (int64_t h = 0; h < heads; ++h)
+          scores[h * len + t] = dot(qb + h * D, keys + (h / group) * D, D) * scale;
+      });
       for (int64_t h = 0; h < heads; ++h) {
         float* s = scores.data() + h * len;
         const float top = *std::max_element(s, s + len);
@@ -131,16 +137,10 @@ void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_c
         }
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t start = 0, i = 0; start < len; start += block_size, ++i) {
-        const cache_t* block = v_cache + table[i] * block_size * row;
-        const int64_t n = std::min(block_size, len - start);
-        for (int64_t j = 0; j < n; ++j) {
-          for (int64_t h = 0; h < heads; ++h) {
-            const cache_t* v = block + j * row + (h / group) * D;
-            add_scaled(acc.data() + h * D, scores[h * len + start + j], v, D);
-          }
-        }
-      }
+      for_each_token(v_cache, table, len, block_size, row, [&](int64_t t, const cache_t* values) {
+        for (int64_t h = 0; h < heads; ++h)
+          add_scaled(acc.data() + h * D, scores[h * len + t], values + (h / group) * D, D);
+      });
       float* o = out + b * heads * D;
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc[h * D + d] * inverse_totals[h];
