@@ -1,7 +1,8 @@
 """What ships as package data: a wheel built from this checkout, installed into an empty
-directory, carries the locustfile (with its prompts), the chat template and the Grafana
-dashboard, and `tierserve loadtest`'s locustfile is found inside the installed package, not
-in a source tree. The shipped prompts are the ones the task registry writes now."""
+directory, carries the locustfile (with its prompts), the chat template, the Grafana
+dashboard and the CPU attention op's C++ source, and `tierserve loadtest`'s locustfile is
+found inside the installed package, not in a source tree. The shipped prompts are the ones
+the task registry writes now."""
 
 import json
 import os
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.slow
 PROBE = """
 import json, subprocess, sys
 import serving
+from kernels import cpu_attention
 from serving.gateway.loadtest import LOCUSTFILE
 listed = subprocess.run(
     [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--list"],
@@ -28,6 +30,7 @@ root = LOCUSTFILE.parents[1]
 print(json.dumps({
     "serving": serving.__file__,
     "locustfile": str(LOCUSTFILE),
+    "attention_source": str(cpu_attention.SOURCE) if cpu_attention.SOURCE.is_file() else None,
     "users": listed,
     "files": [str(p.relative_to(root)) for p in root.rglob("*") if p.suffix in (".json", ".jinja")],
 }))
@@ -63,6 +66,7 @@ def test_an_installed_wheel_load_tests_with_its_own_locustfile(tmp_path: Path) -
     assert "TierserveUser" in found["users"]
     assert {"gateway/locust_prompts.json", "gateway/dashboards/gateway.json"} <= set(found["files"])
     assert "model/chat_template.jinja" in found["files"]
+    assert Path(found["attention_source"]).is_relative_to(target)
 
 
 def test_shipped_locust_prompts_are_current() -> None:
