@@ -83,7 +83,7 @@ class PagedModel:
                     attn.k_norm.weight.detach().expand(attn.num_kv_heads, -1),
                 )
             )
-        # The CPU's paged decode attention is compiled on its first use (tens of seconds on
+        # The CPU's paged decode attention is compiled on its first use (about 10 s on
         # a machine that never built it): at the start, not in the first request's step.
         ops.has_paged_decode_attention(self.device)
         self.graphs = None
