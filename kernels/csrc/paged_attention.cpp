@@ -6,12 +6,13 @@
 //   bfloat16 or float16), block_tables [B, W] int64, context_lens [B] int64, scale
 // and returns [B, H, D] float32. Sequences run in parallel on ATen's thread pool.
 //
-// Per sequence, keys are read token by token, each token's KV * D values once for all H
-// query heads (the heads sharing a kv head read the same row), into fp32 scores; then the
-// softmax's exponentials per head, the weighted sum of the values, read the same way, and
-// the division by the exponentials' sum (SDPA's order of operations). Sequences whose block
-// tables share leading blocks (the n samples of one prompt) run one after another on a
-// thread, so the shared blocks are read from the cache the first one warmed.
+// Per sequence, keys are read a cache block at a time, each head's dot products over the
+// block's rows (a block comes from memory for the first head, from the L1 cache for the
+// others), into fp32 scores; then the softmax's exponentials per head, the weighted sum of
+// the values read the same way, and the division by the exponentials' sum (SDPA's order of
+// operations). Sequences whose block tables share leading blocks (the n samples of one
+// prompt) run one after another on a thread, so the shared blocks come from the cache the
+// first one warmed: reading them once for the group instead measured no faster.
 //
 // The arithmetic is ATen's own vector types (`at::vec::Vectorized<float>`, what PyTorch's CPU
 // kernels are written in), compiled for the capability PyTorch picks on this machine
@@ -19,7 +20,7 @@
 // by halves, and the exponentials are ATen's vectorized `exp_u20`. The compiler's own
 // vectorization of the plain loops ran this op 1.6x slower (it summed lanes one after another
 // and left the exponentials scalar). The head dimension is a template constant for the common
-// sizes, so the loops over it unroll.
+// sizes, so a query and a head's weighted sum stay in registers across a block's rows.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -54,25 +55,58 @@ inline Vec load_float(const cache_t* p) {
   }
 }
 
-template <typename cache_t>
-inline float dot(const float* q, const cache_t* k, int64_t D) {
-  Vec acc(0.0f);
-  int64_t d = 0;
-  for (; d + Vec::size() <= D; d += Vec::size())
-    acc = at::vec::fmadd(Vec::loadu(q + d), load_float(k + d), acc);
-  float s = lane_sum(acc);
-  for (; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
-  return s;
+// out[j] = scale * q . k_j for n rows k_j = k + j * stride. With the head dimension known at
+// compile time q stays in registers; each dot product sums D / lanes vectors, then its lanes.
+template <int64_t kHeadDim, typename cache_t>
+inline void dot_rows(float* out, const float* q, const cache_t* k, int64_t stride, int64_t n,
+                     int64_t D, float scale) {
+  if constexpr (kHeadDim > 0 && kHeadDim % Vec::size() == 0) {
+    constexpr int64_t N = kHeadDim / Vec::size();
+    Vec qv[N];
+    for (int64_t i = 0; i < N; ++i) qv[i] = Vec::loadu(q + i * Vec::size());
+    for (int64_t j = 0; j < n; ++j, k += stride) {
+      Vec acc(0.0f);
+      for (int64_t i = 0; i < N; ++i)
+        acc = at::vec::fmadd(qv[i], load_float(k + i * Vec::size()), acc);
+      out[j] = lane_sum(acc) * scale;
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j, k += stride) {
+      Vec acc(0.0f);
+      int64_t d = 0;
+      for (; d + Vec::size() <= D; d += Vec::size())
+        acc = at::vec::fmadd(Vec::loadu(q + d), load_float(k + d), acc);
+      float sum = lane_sum(acc);
+      for (; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
+      out[j] = sum * scale;
+    }
+  }
 }
 
-// a += p * v
-template <typename cache_t>
-inline void add_scaled(float* a, float p, const cache_t* v, int64_t D) {
-  const Vec pv(p);
-  int64_t d = 0;
-  for (; d + Vec::size() <= D; d += Vec::size())
-    at::vec::fmadd(pv, load_float(v + d), Vec::loadu(a + d)).store(a + d);
-  for (; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+// a += sum_j p[j] * v_j for n rows v_j = v + j * stride, in row order. With the head dimension
+// known at compile time the sum stays in registers across the rows.
+template <int64_t kHeadDim, typename cache_t>
+inline void add_weighted_rows(float* a, const float* p, const cache_t* v, int64_t stride,
+                              int64_t n, int64_t D) {
+  if constexpr (kHeadDim > 0 && kHeadDim % Vec::size() == 0) {
+    constexpr int64_t N = kHeadDim / Vec::size();
+    Vec acc[N];
+    for (int64_t i = 0; i < N; ++i) acc[i] = Vec::loadu(a + i * Vec::size());
+    for (int64_t j = 0; j < n; ++j, v += stride) {
+      const Vec pj(p[j]);
+      for (int64_t i = 0; i < N; ++i)
+        acc[i] = at::vec::fmadd(pj, load_float(v + i * Vec::size()), acc[i]);
+    }
+    for (int64_t i = 0; i < N; ++i) acc[i].store(a + i * Vec::size());
+  } else {
+    for (int64_t j = 0; j < n; ++j, v += stride) {
+      const Vec pj(p[j]);
+      int64_t d = 0;
+      for (; d + Vec::size() <= D; d += Vec::size())
+        at::vec::fmadd(pj, load_float(v + d), Vec::loadu(a + d)).store(a + d);
+      for (; d < D; ++d) a[d] += p[j] * static_cast<float>(v[d]);
+    }
+  }
 }
 
 // exp(s - top) in place; returns their sum.
@@ -93,16 +127,14 @@ inline float exponentials(float* s, int64_t len, float top) {
   return total;
 }
 
-// f(t, row) for each of a sequence's first `len` tokens, `row` its `row_size` cached values
-// (every kv head), walked block by block through its block table.
+// f(t, rows, n) for each run of a sequence's first `len` tokens that lies in one cache block:
+// the run starts at token t, `rows` its n tokens' cached values, `row_size` a token (every kv
+// head), walked block by block through the sequence's block table.
 template <typename cache_t, typename F>
-inline void for_each_token(const cache_t* cache, const int64_t* table, int64_t len,
+inline void for_each_block(const cache_t* cache, const int64_t* table, int64_t len,
                            int64_t block_size, int64_t row_size, F&& f) {
-  for (int64_t start = 0, i = 0; start < len; start += block_size, ++i) {
-    const cache_t* block = cache + table[i] * block_size * row_size;
-    const int64_t n = std::min(block_size, len - start);
-    for (int64_t j = 0; j < n; ++j) f(start + j, block + j * row_size);
-  }
+  for (int64_t start = 0, i = 0; start < len; start += block_size, ++i)
+    f(start, cache + table[i] * block_size * row_size, std::min(block_size, len - start));
 }
 
 // kHeadDim > 0 fixes the head dimension at compile time; 0 reads it at run time.
@@ -115,35 +147,38 @@ void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_c
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * D;  // one token's keys (or values), every kv head
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(heads * D), inverse_totals(heads);
+    std::vector<float> scores, inverse_totals(heads);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = context_lens[b];
       const int64_t* table = block_tables + b * table_width;
       const float* qb = q + b * heads * D;
+      float* o = out + b * heads * D;
       scores.resize(heads * len);
-      for_each_token(k_cache, table, len, block_size, row, [&](int64_t t, const cache_t* keys) {
+      // A block's rows come from memory for its first head, from the L1 cache for the others.
+      for_each_block(k_cache, table, len, block_size, row, [&](int64_t t, auto keys, int64_t n) {
         for (int64_t h = 0; h < heads; ++h)
-          scores[h * len + t] = dot(qb + h * D, keys + (h / group) * D, D) * scale;
+          dot_rows<kHeadDim>(scores.data() + h * len + t, qb + h * D, keys + (h / group) * D, row,
+                             n, D, scale);
       });
       for (int64_t h = 0; h < heads; ++h) {
         float* s = scores.data() + h * len;
         const float top = *std::max_element(s, s + len);
-        const float total = exponentials(s, len, top);
-        inverse_totals[h] = 1.0f / total;
+        inverse_totals[h] = 1.0f / exponentials(s, len, top);
         // The weights in the cache's dtype, as SDPA's flash kernel rounds them for its
         // half-precision product: a bf16 engine then rounds as transformers does in bf16.
         if constexpr (!std::is_same_v<cache_t, float>) {
           for (int64_t t = 0; t < len; ++t) s[t] = static_cast<float>(static_cast<cache_t>(s[t]));
         }
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for_each_token(v_cache, table, len, block_size, row, [&](int64_t t, const cache_t* values) {
+      std::fill_n(o, heads * D, 0.0f);
+      for_each_block(v_cache, table, len, block_size, row, [&](int64_t t, auto values, int64_t n) {
         for (int64_t h = 0; h < heads; ++h)
-          add_scaled(acc.data() + h * D, scores[h * len + t], values + (h / group) * D, D);
+          add_weighted_rows<kHeadDim>(o + h * D, scores.data() + h * len + t,
+                                      values + (h / group) * D, row, n, D);
       });
-      float* o = out + b * heads * D;
+      // The division by the exponentials' sum comes last, as SDPA's does.
       for (int64_t h = 0; h < heads; ++h)
-        for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc[h * D + d] * inverse_totals[h];
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] *= inverse_totals[h];
     }
   });
 }
