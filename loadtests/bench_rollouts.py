@@ -38,7 +38,9 @@ def prompts(engine: LLMEngine, n: int) -> list[list[int]]:
 def ours(engine: LLMEngine, batch: list[list[int]], group: int, max_tokens: int) -> float:
     start = time.perf_counter()
     for i, ids in enumerate(batch):
-        params = SamplingParams(n=group, max_tokens=max_tokens, ignore_eos=True, seed=i * group)
+        params = SamplingParams(
+            n=group, max_tokens=max_tokens, ignore_eos=True, seed=i * group, logprobs=0
+        )
         engine.add_request(f"r{i}", ids, params)
     while engine.has_unfinished():
         engine.step()

@@ -130,11 +130,24 @@ inline float exponentials(float* s, int64_t len, float top) {
 // f(t, rows, n) for each run of a sequence's first `len` tokens that lies in one cache block:
 // the run starts at token t, `rows` its n tokens' cached values, `row_size` a token (every kv
 // head), walked block by block through the sequence's block table.
+//
+// While f reads a block, the next one is fetched into the L2 cache. The blocks lie anywhere
+// in the cache, and hardware prefetchers stop at 4 KiB page boundaries, so without this a long
+// context's read waits on memory every few rows: at 380 keys (the rollouts' 64 sequences)
+// the op ran 1.4x faster with it. Into L1 instead (prefetcht0) it measured no faster: the
+// fetches then compete with the rows being read.
 template <typename cache_t, typename F>
 inline void for_each_block(const cache_t* cache, const int64_t* table, int64_t len,
                            int64_t block_size, int64_t row_size, F&& f) {
-  for (int64_t start = 0, i = 0; start < len; start += block_size, ++i)
+  const int64_t block_bytes = block_size * row_size * sizeof(cache_t);
+  for (int64_t start = 0, i = 0; start < len; start += block_size, ++i) {
+    if (start + block_size < len) {
+      const auto* next =
+          reinterpret_cast<const char*>(cache + table[i + 1] * block_size * row_size);
+      for (int64_t b = 0; b < block_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);  // L2
+    }
     f(start, cache + table[i] * block_size * row_size, std::min(block_size, len - start));
+  }
 }
 
 // kHeadDim > 0 fixes the head dimension at compile time; 0 reads it at run time.
