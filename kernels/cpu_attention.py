@@ -28,12 +28,17 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 
 
 def _flags() -> list[str]:
-    """The machine's instruction set, and ATen's vector types built for the capability
-    PyTorch's own kernels use here (AVX512, AVX2; elsewhere ATen's portable DEFAULT)."""
+    """The machine's instruction set, ATen's vector types built for the capability PyTorch's
+    own kernels use here (AVX512, AVX2; elsewhere ATen's portable DEFAULT), and OpenMP.
+
+    `at::parallel_for` is an OpenMP region compiled into the caller: without -fopenmp it runs
+    on one thread whatever `torch.set_num_threads` says (the op took as long on two threads
+    as on one). The region runs on the OpenMP runtime torch has loaded (its libgomp.so.1, by
+    soname), so the op's threads are torch's own."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX512", "AVX2"):
         capability = "DEFAULT"
-    return ["-O3", "-march=native", f"-DCPU_CAPABILITY={capability}"] + (
+    return ["-O3", "-march=native", "-fopenmp", f"-DCPU_CAPABILITY={capability}"] + (
         [f"-DCPU_CAPABILITY_{capability}"] if capability != "DEFAULT" else []
     )
 
@@ -47,7 +52,11 @@ def _load() -> bool:
 
     try:
         cpp_extension.load(
-            "tierserve_cpu_ops", [str(SOURCE)], extra_cflags=_flags(), is_python_module=False
+            "tierserve_cpu_ops",
+            [str(SOURCE)],
+            extra_cflags=_flags(),
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
         )
     except (OSError, RuntimeError) as exc:  # no compiler or ninja, or a failed build
         lines = str(exc).splitlines() or [type(exc).__name__]

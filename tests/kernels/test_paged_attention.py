@@ -4,6 +4,9 @@ padding (and the C++ op's compile-time and run-time head dims), block sizes, and
 lengths of one token, at and across block boundaries, and odd, with block tables in random
 order whose padding holds blocks of other sequences."""
 
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -135,3 +138,35 @@ def test_the_sdpa_path_where_the_op_cannot_be_built(monkeypatch):
     torch.testing.assert_close(with_op, with_sdpa, rtol=1e-5, atol=1e-5)
     expected = reference(q, k_cache, v_cache, tables, lens, 0.2)
     torch.testing.assert_close(with_sdpa, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpp_op_runs_on_torchs_openmp_threads():
+    """Built with OpenMP against the runtime torch loaded (`at::parallel_for` is a region
+    compiled into the op: without -fopenmp it ran on one thread whatever the thread count),
+    and its sequences split over threads give what one thread gives, bit for bit."""
+    assert cpu_attention.available()
+    from torch.utils import cpp_extension
+
+    built = Path(cpp_extension._get_build_directory("tierserve_cpu_ops", False))
+    dynamic = subprocess.run(
+        ["readelf", "-d", str(built / "tierserve_cpu_ops.so")], capture_output=True, text=True
+    ).stdout
+    assert "[libgomp.so.1]" in dynamic
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert runtimes == {str(Path(torch.__file__).parent / "lib" / "libgomp.so.1")}
+
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(2, 64, 16, 2, 64, generator=g)
+    tables = torch.randperm(64, generator=g)[:48].view(8, 6)
+    lens = torch.tensor([96, 1, 17, 80, 33, 64, 95, 50])
+    q = torch.randn(8, 4, 64, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
