@@ -9,14 +9,17 @@ token's logprob returned as the trainer needs it; transformers computes none and
 prompts left-padded with `num_return_sequences=G`.
 
 Each side runs `--repeats` times, alternating, and the median ratio is the figure (one run
-of each on a busy 2-core machine ranged 2.5-3.4x).
+of each on a busy 2-core machine ranged 2.5-3.4x); transformers runs in a fresh process each
+time (see `theirs`).
 
     python loadtests/bench_rollouts.py [--model models/demo-full] [--prompts 8] [--group 8]
 """
 
 import argparse
+import multiprocessing
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -54,12 +57,22 @@ def ours(engine: LLMEngine, batch: list[list[int]], group: int, max_tokens: int)
 
 
 def theirs(
-    model: transformers.PreTrainedModel,
-    batch: list[list[int]],
-    group: int,
-    max_tokens: int,
-    pad: int,
+    model_dir: Path, batch: list[list[int]], group: int, max_tokens: int, pad: int, threads: int
 ) -> float:
+    """transformers `generate`, timed in a process of its own, a fresh one each run: after two
+    of its runs in the engine's process our engine ran a third slower (4600 against 3000
+    tokens/s on two threads), so one shared process measured what each left the other."""
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        return pool.submit(_generate, model_dir, batch, group, max_tokens, pad, threads).result()
+
+
+def _generate(
+    model_dir: Path, batch: list[list[int]], group: int, max_tokens: int, pad: int, threads: int
+) -> float:
+    torch.set_num_threads(threads)
+    transformers.logging.set_verbosity_error()  # its load report: our MTP layer is unknown to it
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     width = max(len(ids) for ids in batch)
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
@@ -95,8 +108,6 @@ def main() -> None:
     batch = prompts(engine, args.prompts)
     pad = engine.model.config.pad_token_id or 0
     tokens = args.prompts * args.group * args.max_tokens
-    transformers.logging.set_verbosity_error()  # its load report: our MTP layer is unknown to it
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     ours(engine, batch[:1], 2, 4)  # warm-up
     print(
         f"{args.prompts} prompts x {args.group} samples x {args.max_tokens} tokens, "
@@ -108,7 +119,7 @@ def main() -> None:
     ratios = []
     for run in tqdm(range(1, args.repeats + 1), desc="runs", leave=False):
         t_ours = ours(engine, batch, args.group, args.max_tokens)
-        t_theirs = theirs(model, batch, args.group, args.max_tokens, pad)
+        t_theirs = theirs(args.model, batch, args.group, args.max_tokens, pad, args.threads)
         ratios.append(t_theirs / t_ours)
         tqdm.write(
             f"| {run} | {t_theirs:.1f} | {tokens / t_theirs:.0f} | {t_ours:.1f} | "
