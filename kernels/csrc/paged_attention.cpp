@@ -55,15 +55,25 @@ inline Vec load_float(const cache_t* p) {
   }
 }
 
+// The vectors a head takes when its dimension is known at compile time and fills whole
+// vectors, 0 otherwise: a query or a weighted sum then lives in registers.
+template <int64_t kHeadDim>
+constexpr int64_t kRegisterVecs =
+    kHeadDim > 0 && kHeadDim % Vec::size() == 0 ? kHeadDim / Vec::size() : 0;
+
+template <int64_t N>
+inline void load(Vec (&v)[N], const float* p) {
+  for (int64_t i = 0; i < N; ++i) v[i] = Vec::loadu(p + i * Vec::size());
+}
+
 // out[j] = scale * q . k_j for n rows k_j = k + j * stride. With the head dimension known at
 // compile time q stays in registers; each dot product sums D / lanes vectors, then its lanes.
 template <int64_t kHeadDim, typename cache_t>
 inline void dot_rows(float* out, const float* q, const cache_t* k, int64_t stride, int64_t n,
                      int64_t D, float scale) {
-  if constexpr (kHeadDim > 0 && kHeadDim % Vec::size() == 0) {
-    constexpr int64_t N = kHeadDim / Vec::size();
+  if constexpr (constexpr int64_t N = kRegisterVecs<kHeadDim>; N > 0) {
     Vec qv[N];
-    for (int64_t i = 0; i < N; ++i) qv[i] = Vec::loadu(q + i * Vec::size());
+    load(qv, q);
     for (int64_t j = 0; j < n; ++j, k += stride) {
       Vec acc(0.0f);
       for (int64_t i = 0; i < N; ++i)
@@ -88,10 +98,9 @@ inline void dot_rows(float* out, const float* q, const cache_t* k, int64_t strid
 template <int64_t kHeadDim, typename cache_t>
 inline void add_weighted_rows(float* a, const float* p, const cache_t* v, int64_t stride,
                               int64_t n, int64_t D) {
-  if constexpr (kHeadDim > 0 && kHeadDim % Vec::size() == 0) {
-    constexpr int64_t N = kHeadDim / Vec::size();
+  if constexpr (constexpr int64_t N = kRegisterVecs<kHeadDim>; N > 0) {
     Vec acc[N];
-    for (int64_t i = 0; i < N; ++i) acc[i] = Vec::loadu(a + i * Vec::size());
+    load(acc, a);
     for (int64_t j = 0; j < n; ++j, v += stride) {
       const Vec pj(p[j]);
       for (int64_t i = 0; i < N; ++i)
