@@ -28,8 +28,8 @@ from tqdm import tqdm
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.sampling import SamplingParams
-from training.tasks import DOMAINS
-from training.tasks.seeds import train_seed
+from tasks import DOMAINS
+from tasks.seeds import train_seed
 
 
 def prompts(engine: LLMEngine, n: int) -> list[list[int]]:

@@ -28,8 +28,8 @@ from serving.model.paged import TokenSpan
 from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import Tokenizer
 from speculative.config import SpeculativeConfig
-from training.tasks import DOMAINS
-from training.tasks.seeds import EVAL_SEED_BASE
+from tasks import DOMAINS
+from tasks.seeds import EVAL_SEED_BASE
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 

@@ -13,8 +13,8 @@ and tokens are summed over its turns.
 import argparse
 import asyncio
 
-from training.tasks import DOMAINS
-from training.tasks.harness import Record, run
+from tasks import DOMAINS
+from tasks.harness import Record, run
 
 TIERS = ("full", "highspeed")
 

@@ -2,24 +2,21 @@
 escalate to the full tier when it is not (non-streaming requests only, opt-in).
 
 Each check is one the request itself implies: a JSON `response_format`, the offered tools'
-parameter schemas, and the answer format of the task's domain (an integer for arithmetic,
-a Python block that parses for code, a command block for the terminal). A truncated answer
+parameter schemas, and the answer format of the task's domain, read by the verifiers' own
+extraction (`tasks/answers.py`): an integer for arithmetic, a program that parses for code,
+one command block or DONE for the terminal. A truncated answer
 (`finish_reason: length`) always fails.
 """
 
 import ast
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import jsonschema
 
 from router.features import domain, route_request
-
-_PYTHON_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.S)
-_BASH_BLOCK = re.compile(r"```(?:bash|sh|shell)?\n.*?```|^DONE\s*$", re.S | re.M)
-_FINAL_INTEGER = re.compile(r"-?\d[\d,]*\.?\s*$")
+from tasks.answers import extract_program, final_integer, parse_command_turn
 
 
 def _check_json(content: str, response_format: Mapping[str, Any]) -> str | None:
@@ -61,15 +58,19 @@ def _check_tool_calls(calls: list[Mapping[str, Any]], tools: list[Mapping[str, A
 
 
 def _check_domain(expected: str, content: str) -> str | None:
+    """The answer read as its domain's verifier reads it (`tasks.answers`): a program that
+    parses, a final integer, a valid terminal turn."""
     if expected == "code":
-        blocks = _PYTHON_BLOCK.findall(content)
+        program = extract_program(content)
         try:
-            ast.parse(blocks[-1])
-        except (IndexError, SyntaxError, ValueError):
+            ast.parse(program)
+        except (SyntaxError, ValueError):
             return "no_valid_code"
-    elif expected == "math" and not _FINAL_INTEGER.search(content):
+        if not program.strip():
+            return "no_valid_code"
+    elif expected == "math" and final_integer(content) is None:
         return "no_final_number"
-    elif expected == "terminal" and not _BASH_BLOCK.search(content):
+    elif expected == "terminal" and parse_command_turn(content)[2] is not None:
         return "no_command"
     return None
 

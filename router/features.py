@@ -13,7 +13,9 @@ from typing import Any
 _WORD = re.compile(r"\w+|[^\w\s]")
 # Plain substring tests (of the lower-cased text): a regex per cue costs 100x more.
 _CODE_CUES = ("```", "def ", "class ", "import ", "function", "python", "solve(")
-_TERMINAL_CUES = ("shell", "bash", "terminal", "director", " file", "folder", "grep ", " ls ")
+# A request that names the shell is a terminal one even when it asks for a ```bash block.
+_SHELL_CUES = ("shell", "bash", "terminal")
+_TERMINAL_CUES = (*_SHELL_CUES, "director", " file", "folder", "grep ", " ls ")
 _MATH_CUES = ("compute", "calculate", "integer", " sum ", "product", "equation", "solve for")
 _MULTI_STEP_CUES = (
     "step by step", " then ", "after that", "first", "second", "finally", " each ",
@@ -102,6 +104,8 @@ def _count(text: str, cues: tuple[str, ...]) -> int:
 def _domain(request: RouteRequest, lower: str, operations: int) -> str:
     if request.has_tools:
         return "tools"
+    if _has(lower, _SHELL_CUES):
+        return "terminal"
     if _has(lower, _CODE_CUES):
         return "code"
     if _has(lower, _TERMINAL_CUES):

@@ -19,8 +19,8 @@ import random
 from dataclasses import dataclass
 
 from serving.model.tokenizer import Tokenizer
-from training.tasks.base import Task
-from training.tasks.tool_tasks import CODE_CHARS
+from tasks.base import Task
+from tasks.tool_tasks import CODE_CHARS
 
 PREFIXES = ("TRK", "BK-", "msg_")  # what `tool_tasks` puts before a chain's random code
 PIECE_SHARE = 0.6  # chance that the next part of a redrawn code is a merged piece

@@ -15,8 +15,8 @@ from pathlib import Path
 from router.cli import add_eval_router_args, add_train_router, run_eval_router
 from router.learned import RouterFileError
 from router.outcomes import OutcomeError
+from tasks.sandbox import ISOLATION_CHOICES, ISOLATION_ENV, SandboxUnavailable
 from training.config import ConfigError
-from training.tasks.sandbox import ISOLATION_CHOICES, ISOLATION_ENV, SandboxUnavailable
 
 USER_ERRORS = (ConfigError, RouterFileError, OutcomeError, SandboxUnavailable)
 
@@ -132,7 +132,7 @@ def add_init_checkpoint(sub: argparse._SubParsersAction) -> None:
 
 
 def run_sandbox_exec(args: argparse.Namespace) -> None:
-    from training.tasks.sandbox import Limits, run_code
+    from tasks.sandbox import Limits, run_code
 
     limits = Limits() if args.timeout is None else Limits(timeout_s=args.timeout)
     result = run_code(args.lang, args.file.read_text(), limits=limits, isolation=args.isolation)
@@ -175,24 +175,23 @@ def run_eval(args: argparse.Namespace) -> None:
         return
     if args.model is None and args.url is None and args.reference is None:
         args.parser.error("one of --model, --url or --reference is required")
-    from training.tasks import harness
+    from tasks import harness
+    from training.evaluation import evaluate_checkpoint
 
-    records = asyncio.run(
-        harness.run(
-            args.domains.split(","),
-            args.difficulty,
-            args.n,
-            args.seed,
-            args.concurrency,
-            model_dir=args.model,
+    selection = (args.domains.split(","), args.difficulty, args.n, args.seed, args.concurrency)
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.model is not None:
+        episodes = evaluate_checkpoint(args.model, *selection, **sampling)
+    else:
+        episodes = harness.run(
+            *selection,
             url=args.url,
             served_model=args.served_model,
             api_key=args.api_key,
             reference=args.reference,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
+            **sampling,
         )
-    )
+    records = asyncio.run(episodes)
     result = harness.report(records)
     print(harness.format_table(result["summary"]))
     if args.json:

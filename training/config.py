@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from training.tasks import DOMAINS
+from tasks import DOMAINS
 
 
 class ConfigError(ValueError):

@@ -16,10 +16,10 @@ Measured: 400 steps from that model with 40% drills (`full18`) raised those piec
 import dataclasses
 from typing import Any
 
+from tasks import get_domain
+from tasks.base import Style
 from training.code_pieces import CodePieces
 from training.data import sft_examples
-from training.tasks import get_domain
-from training.tasks.base import Style
 
 
 def copy_drill(seed: int, style: Style, codes: CodePieces, natural: float) -> dict[str, Any]:

@@ -10,7 +10,7 @@ needs (operands, names, arguments).
 import random
 import string
 
-from training.tasks.tool_tasks import CITIES, PEOPLE, PRODUCTS, SUBJECTS, SYMBOLS, TITLES
+from tasks.tool_tasks import CITIES, PEOPLE, PRODUCTS, SUBJECTS, SYMBOLS, TITLES
 
 WORDS = (*CITIES, *PEOPLE, *PRODUCTS, *SUBJECTS, *SYMBOLS, *TITLES)
 

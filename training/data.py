@@ -2,7 +2,7 @@
 
 Everything streams (generators, one task at a time) and is deterministic: the same domain,
 difficulty and seed range always give the same data. Seeds come from the training space
-(`training.tasks.seeds`), so no example can coincide with a held-out evaluation task.
+(`tasks.seeds`), so no example can coincide with a held-out evaluation task.
 """
 
 import copy
@@ -10,10 +10,10 @@ import random
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from tasks.base import Domain, Style, Task, Verdict
+from tasks.seeds import train_seed
 from training.code_pieces import CodePieces
 from training.natural import naturalize
-from training.tasks.base import Domain, Style, Task, Verdict
-from training.tasks.seeds import train_seed
 
 
 def tasks(domain: Domain, seeds: Iterable[int], difficulties: Iterable[int]) -> Iterator[Task]:

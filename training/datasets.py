@@ -26,16 +26,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from serving.model.chat_format import split_reasoning
 from serving.model.tokenizer import Tokenizer
+from tasks import DOMAINS, get_domain
+from tasks.answers import split_reasoning
+from tasks.base import Style
 from training.code_pieces import CodePieces
 from training.config import DataConfig
 from training.copy_drills import copy_drill
 from training.copy_text import copy_document
 from training.data import pretrain_documents, sft_examples
 from training.natural import out_of_domain
-from training.tasks import DOMAINS, get_domain
-from training.tasks.base import Style
 from training.tokenizer import PAD_TOKEN
 
 IGNORE = -100  # label of positions that carry no loss

@@ -19,10 +19,18 @@ import torch
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.causal_lm import CausalLM
-from serving.model.chat_format import CALL_START, THINK_END, THINK_START, split_reasoning
 from serving.model.checkpoint import load_checkpoint
 from serving.model.tokenizer import Tokenizer
-from serving.model.tool_calls import parse_tool_calls
+from tasks import DOMAINS, Task
+from tasks.answers import (
+    CALL_START,
+    THINK_END,
+    THINK_START,
+    extract_program,
+    parse_tool_calls,
+    split_reasoning,
+)
+from tasks.seeds import eval_seed, train_seed
 from training.config import StageConfig
 from training.datasets import IGNORE, Batch, completion_batch
 from training.preference import (
@@ -36,9 +44,6 @@ from training.preference import (
     preference_pair,
 )
 from training.rollouts import Rollout, inference_copy, play
-from training.tasks import DOMAINS, Task
-from training.tasks.code import extract_program
-from training.tasks.seeds import eval_seed, train_seed
 from training.trainer import EvalFn, LossParts, Trainer
 
 

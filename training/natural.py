@@ -11,11 +11,11 @@ import dataclasses
 import random
 from typing import Any
 
-from serving.model.chat_format import reasoning_block
+from tasks.answers import reasoning_block
+from tasks.base import Style, Task
+from tasks.code import DESCRIBE, OPS_BY_NAME, phrases, step_names
+from tasks.terminal import LEVELS as TERMINAL_LEVELS
 from training.natural_tools import tool_request, unseen_tools
-from training.tasks.base import Style, Task
-from training.tasks.code import DESCRIBE, OPS_BY_NAME, phrases, step_names
-from training.tasks.terminal import LEVELS as TERMINAL_LEVELS
 
 SYSTEM_PROMPTS = (
     "You are a helpful assistant.",

@@ -8,8 +8,8 @@ import dataclasses
 import random
 import re
 
-from training.tasks.base import Task
-from training.tasks.tools import call_note
+from tasks.base import Task
+from tasks.tools import call_note
 
 # Other ways to ask for a one-call task, by tool: used when the call's arguments are exactly
 # the template's fields ({Field} is the value capitalised).

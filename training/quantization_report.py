@@ -16,10 +16,10 @@ from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
 from serving.model.config import ModelConfig
 from serving.model.tokenizer import Tokenizer
+from tasks.base import Style
 from training.config import DataConfig
 from training.datasets import IGNORE, Batch, SFTDataset, build_sft
 from training.losses import distillation_loss_sum
-from training.tasks.base import Style
 from training.tokenizer import PAD_TOKEN
 
 # Seeds of the held-out turns: past every run's training seeds and the curriculum's held-out.

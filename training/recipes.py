@@ -32,10 +32,11 @@ from tqdm import tqdm
 
 from serving.model.checkpoint import load_checkpoint
 from serving.model.tokenizer import Tokenizer
+from tasks import harness
 from training.config import DataConfig, RecipeConfig, load_recipe_config, load_stage_config
 from training.datasets import IGNORE, SFTDataset, build_sft, chat_examples
+from training.evaluation import evaluate_checkpoint
 from training.stages import run_stage
-from training.tasks import harness
 from training.tokenizer import PAD_TOKEN, save_tokenizer, train_tokenizer
 
 RECIPES = resources.files("training") / "recipes"
@@ -103,13 +104,13 @@ def draft_agreement(draft_dir: Path, full_dir: Path, data: DataConfig, seq_len: 
 def evaluate_model(model_dir: Path, recipe: RecipeConfig, out: Path) -> list[dict]:
     spec = recipe.eval
     records = asyncio.run(
-        harness.run(
+        evaluate_checkpoint(
+            str(model_dir),
             spec.domains,
             spec.difficulties,
             spec.n,
             spec.seed,
             8,
-            model_dir=str(model_dir),
             max_tokens=spec.max_tokens,
         )
     )

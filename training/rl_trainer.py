@@ -21,6 +21,8 @@ from serving.engine.llm_engine import EngineConfig
 from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
 from serving.model.tokenizer import Tokenizer
+from tasks import DOMAINS, Task
+from tasks.seeds import train_seed
 from training.config import StageConfig
 from training.datasets import IGNORE, Batch, completion_batch
 from training.losses import token_losses
@@ -33,8 +35,6 @@ from training.rl import (
     policy_loss_sum,
 )
 from training.rollouts import Rollout, inference_copy, play
-from training.tasks import DOMAINS, Task
-from training.tasks.seeds import train_seed
 from training.trainer import EvalFn, LossParts, Trainer
 
 

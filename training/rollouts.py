@@ -20,7 +20,7 @@ from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine
 from serving.model.causal_lm import CausalLM
 from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import Tokenizer
-from training.tasks import Domain, Episode, Task
+from tasks import Domain, Episode, Task
 
 
 @dataclass

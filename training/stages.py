@@ -21,6 +21,7 @@ from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint, quantize_checkpoint, save_checkpoint
 from serving.model.config import ModelConfig
 from serving.model.tokenizer import Tokenizer
+from tasks import harness
 from training.config import ConfigError, StageConfig, TrainConfig
 from training.curriculum import Curriculum, domain_sums
 from training.datasets import (
@@ -32,6 +33,7 @@ from training.datasets import (
     build_sft,
 )
 from training.dpo_trainer import DPOTrainer
+from training.evaluation import evaluate_checkpoint
 from training.losses import (
     distillation_loss_sum,
     kl_sum,
@@ -46,7 +48,6 @@ from training.pruning import keep_layers
 from training.qat import disable_qat, enable_qat, served_state_dict
 from training.rl_trainer import RLTrainer
 from training.target_data import target_completions
-from training.tasks import harness
 from training.tokenizer import EOS_TOKEN, PAD_TOKEN
 from training.trainer import EvalFn, LossFn, LossParts, Trainer, init_distributed
 
@@ -186,7 +187,7 @@ def harness_eval(
     domains: list[str],
     heldout: SFTDataset | None = None,
 ) -> EvalFn:
-    """Held-out completion rate per domain through the eval harness (training/tasks) and our
+    """Held-out completion rate per domain through the eval harness (tasks) and our
     engine, with the markdown table written to `OUT/eval-step-N.md`; with `heldout`, the
     copy-position loss on it too (`copy_loss`)."""
 
@@ -194,13 +195,13 @@ def harness_eval(
         copy = {} if heldout is None else {"copy_loss": heldout_copy_loss(model, heldout)}
         snapshot = export(model, out_dir / "eval-model", tokenizer_dir, torch.float32)
         records = asyncio.run(
-            harness.run(
+            evaluate_checkpoint(
+                str(snapshot),
                 domains,
                 cfg.eval_difficulties,
                 cfg.eval_n,
                 0,
                 8,
-                model_dir=str(snapshot),
                 max_tokens=cfg.eval_max_tokens,
             )
         )

@@ -13,7 +13,7 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.trainers import BpeTrainer
 
-from serving.model.chat_format import MARKUP
+from tasks.answers import MARKUP
 
 # Qwen2/Qwen3's pre-tokenizer regex: digits split one by one, which helps arithmetic.
 SPLIT_PATTERN = (

@@ -42,9 +42,10 @@ from serving.api_server.serving_engine import (
     usage_info,
 )
 from serving.engine.llm_engine import EngineRequest
-from serving.model.chat_format import THINK_START, ReasoningStream, split_reasoning
+from serving.model.chat_format import ReasoningStream
 from serving.model.sampling import TokenLogprob
-from serving.model.tool_calls import ToolCallStream, parse_tool_calls
+from serving.model.tool_calls import ToolCallStream
+from tasks.answers import THINK_START, parse_tool_calls, split_reasoning
 
 
 def parse_chat_output(text: str, in_reasoning: bool, with_tools: bool) -> ChatResponseMessage:

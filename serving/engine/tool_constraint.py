@@ -38,7 +38,7 @@ from serving.engine.json_validator import (
 )
 from serving.engine.token_vocabulary import Vocabulary
 from serving.engine.tool_arguments import INITIAL_KEYS, argument_keys
-from serving.model.chat_format import CALL_END, CALL_START
+from tasks.answers import CALL_END, CALL_START
 
 # Segments, the first field of a state; _TEXT only where calls are optional.
 _HEAD, _ARGS, _TAIL, _END, _TEXT = range(5)

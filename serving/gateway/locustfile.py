@@ -1,10 +1,9 @@
 """Locust users for tierserve: a realistic mix through the OpenAI API.
 
 Each request is an easy (difficulty 1) or hard (difficulty 3) task of the project's domains
-(math, code, terminal, tools), read from `locust_prompts.json` beside this file (written
-from the task registry by `python loadtests/locust_prompts.py`; a test keeps it current),
-sent as chat (with the task's tools) or as a completion, streamed or not, with a varied
-max_tokens, and routed by `auto` or pinned to a tier by model name or header. Requests are
+(math, code, terminal, tools), its first request as the task registry starts it, sent as
+chat (with the task's tools) or as a completion, streamed or not, with a varied max_tokens,
+and routed by `auto` or pinned to a tier by model name or header. Requests are
 named by what was asked and the tier that answered (`chat stream [full]`); streams also
 report time to first token (`TTFT`) and inter-token latency (`ITL`) per tier as their own
 entries. Overload answers (429) and stream error events count as failures, by their code.
@@ -19,17 +18,17 @@ import json
 import os
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 from locust import HttpUser, between, task
 from locust.clients import ResponseContextManager
 
+from tasks import opening_requests
+
 MAX_TOKENS = (16, 32, 64, 128)
 # (model, header) choices: mostly left to the router, some pinned.
 ROUTES = [("auto", None)] * 4 + [("full", None), ("highspeed", None), ("auto", "full")]
-# [{"kind": "math-hard", "messages": [...], "tools": [...] | null}, ...]
-PROMPTS = json.loads(Path(__file__).with_name("locust_prompts.json").read_text(encoding="utf-8"))
+PROMPTS = opening_requests(per_kind=16)
 
 
 def _error_code(response: ResponseContextManager) -> str:

@@ -1,50 +1,11 @@
-"""The chat markup the model writes, defined once: `<think>…</think>` reasoning before the
-answer and `<tool_call>…</tool_call>` blocks (the tool-call parser is tool_calls.py). The
-writers give the exact text the chat template renders (training data, the eval harness
-rebuilding a model's raw turn); the reader splits reasoning from the answer, for whole
-texts and for streams.
-
-Reasoning opens either in the output (`<think>` as its first non-blank text) or already in the
-prompt, in which case the output only closes it with `</think>` (vLLM's Qwen3 and DeepSeek-R1
-parsers make the same call). Newlines between the tags and the text are formatting, not
-content: the chat template writes them back when it renders the turn again.
+"""Reading the chat markup as it streams: `ReasoningStream` splits `<think>` reasoning from
+the answer delta by delta, reaching `tasks.answers.split_reasoning`'s result on the whole text
+(the markup and the whole-text readers are defined there, once, for the verifiers too).
 """
 
 from dataclasses import dataclass, field
 
-THINK_START = "<think>"
-THINK_END = "</think>"
-CALL_START = "<tool_call>"
-CALL_END = "</tool_call>"
-TOOL_RESPONSE_START = "<tool_response>"
-TOOL_RESPONSE_END = "</tool_response>"
-MARKUP = (THINK_START, THINK_END, CALL_START, CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
-
-
-def reasoning_block(reasoning: str) -> str:
-    """Reasoning as the template writes it before the answer."""
-    return f"{THINK_START}\n{reasoning}\n{THINK_END}\n\n"
-
-
-def tool_call_block(body: str) -> str:
-    """One call's JSON (`{"name": ..., "arguments": {...}}`) as a tool-call block."""
-    return f"{CALL_START}\n{body}\n{CALL_END}"
-
-
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """Return (reasoning, content); reasoning is None when the text has none.
-
-    Output cut off inside reasoning (an opening tag, no closing one) is all reasoning.
-    """
-    stripped = text.lstrip()
-    opened = stripped.startswith(THINK_START)
-    body = stripped[len(THINK_START) :] if opened else text
-    if THINK_END in body:
-        reasoning, _, content = body.partition(THINK_END)
-        return reasoning.strip("\n") or None, content.lstrip("\n")
-    if opened:
-        return body.strip("\n") or None, ""
-    return None, text
+from tasks.answers import THINK_END, THINK_START
 
 
 def partial_suffix(text: str, tag: str) -> int:

@@ -1,63 +1,12 @@
-"""Parse Hermes/Qwen-style tool calls out of a completion, whole or streamed.
-
-The model writes each call as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
-the form the chat template teaches it. Whitespace between the calls and the surrounding
-text is the template's formatting, so it is dropped. A final block that was never closed
-(generation stopped after the JSON) still counts if its JSON is complete.
+"""Parse Hermes/Qwen-style tool calls out of a streamed completion, each call whole as its
+block closes (`tasks.answers.parse_tool_calls` reads a whole text the same way).
 """
 
-import json
-import re
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.model.chat_format import CALL_END, CALL_START, partial_suffix
-
-_BLOCK = re.compile(rf"\s*{CALL_START}(.*?)(?:{CALL_END}\s*|\Z)", re.DOTALL)
-
-
-def _new_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
-
-
-@dataclass
-class ToolCall:
-    """One function call; `arguments` is a JSON string, as the OpenAI API carries it."""
-
-    name: str
-    arguments: str
-    id: str = field(default_factory=_new_id)
-
-    def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        """The OpenAI `tool_calls` entry; with `index`, the streaming delta form."""
-        function = {"name": self.name, "arguments": self.arguments}
-        call = {"id": self.id, "type": "function", "function": function}
-        return call if index is None else {"index": index, **call}
-
-
-def _parse_call(body: str) -> ToolCall | None:
-    """The call in one block's text, or None if it is not `{"name": str, "arguments": ...}`."""
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", {})
-    if isinstance(args, dict):
-        args = json.dumps(args, ensure_ascii=False)
-    return ToolCall(obj["name"], args) if isinstance(args, str) else None
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """Return (content outside the blocks, calls). If any block is malformed, the whole text
-    is content and there are no calls: a half-understood call must not be executed."""
-    parsed = [_parse_call(m.group(1)) for m in _BLOCK.finditer(text)]
-    calls = [call for call in parsed if call is not None]
-    if not parsed or len(calls) < len(parsed):
-        return text, []
-    return _BLOCK.sub("", text), calls
+from serving.model.chat_format import partial_suffix
+from tasks.answers import CALL_END, CALL_START, ToolCall, parse_call
 
 
 @dataclass
@@ -119,7 +68,7 @@ class ToolCallStream:
         self, body: str, closed: bool, content: list[str], deltas: list[dict[str, Any]]
     ) -> None:
         self._in_call = False
-        call = _parse_call(body)
+        call = parse_call(body)
         if call is None:
             content.append(self._gap + CALL_START + body + (CALL_END if closed else ""))
         else:

@@ -16,7 +16,7 @@ from router.evaluation import curve, random_curve
 from router.learned import LearnedPolicy
 from router.outcomes import OutcomeError, load_outcomes
 from serving.cli import main
-from training.tasks.harness import report, run
+from tasks.harness import report, run
 
 
 def write_outcomes(directory: Path, run_seed: int) -> tuple[Path, Path]:

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 from serving.model.tokenizer import Tokenizer
+from tasks import get_domain
+from tasks.tool_tasks import CODE_CHARS
 from training.code_pieces import CodePieces
 from training.config import DataConfig
 from training.data import sft_examples
 from training.datasets import build_sft
-from training.tasks import get_domain
-from training.tasks.tool_tasks import CODE_CHARS
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo-full"
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.model.chat_format import split_reasoning
 from serving.model.tokenizer import Tokenizer
+from tasks.answers import split_reasoning
 from training.code_pieces import CodePieces
 from training.config import DataConfig
 from training.copy_drills import copy_drill

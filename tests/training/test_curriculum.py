@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from serving.model.tokenizer import Tokenizer
+from tasks import get_domain
 from training.config import CurriculumConfig, DataConfig
 from training.copy_text import copy_document
 from training.curriculum import Curriculum
@@ -21,7 +22,6 @@ from training.datasets import (
     pretrain_text,
 )
 from training.natural import CAPABILITIES, naturalize
-from training.tasks import get_domain
 
 
 def _dataset(tmp_path: Path) -> SFTDataset:

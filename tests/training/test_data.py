@@ -4,10 +4,10 @@ import itertools
 
 import pytest
 
+from tasks import get_domain
+from tasks.base import Verdict
+from tasks.seeds import eval_seed
 from training.data import pretrain_documents, sft_examples, tasks
-from training.tasks import get_domain
-from training.tasks.base import Verdict
-from training.tasks.seeds import eval_seed
 
 
 @pytest.mark.parametrize("name", ["math", "code", "terminal", "tools"])

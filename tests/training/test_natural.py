@@ -3,12 +3,12 @@
 import random
 import re
 
+from tasks import get_domain
+from tasks.base import play
+from tasks.code_ops import OPS_BY_NAME
+from tasks.math import MathDomain, operands
+from tasks.tool_bank import BANK
 from training.natural import CODE_SAID, naturalize
-from training.tasks import get_domain
-from training.tasks.base import play
-from training.tasks.code_ops import OPS_BY_NAME
-from training.tasks.math import MathDomain, operands
-from training.tasks.tool_bank import BANK
 
 
 def test_math_rewordings_keep_the_operands_and_use_words() -> None:

@@ -21,12 +21,12 @@ import pytest
 from serving.api_server.api_server import build_app
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
+from tasks import Task, get_domain
+from tasks.harness import Turn, chat_policy, play_episode
+from tasks.seeds import eval_seed
+from tasks.tool_bank import BANK
+from tasks.tool_tasks import call
 from tests import REPO
-from training.tasks import Task, get_domain
-from training.tasks.harness import Turn, chat_policy, play_episode
-from training.tasks.seeds import eval_seed
-from training.tasks.tool_bank import BANK
-from training.tasks.tool_tasks import call
 
 FULL = REPO / "models" / "demo-full"
 # The completion rate the shipped demo-full reaches on each domain's 20 requests (greedy), in

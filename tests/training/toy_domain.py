@@ -2,8 +2,8 @@
 that are vowels, so even a random model's samples differ in reward (every group carries a
 signal) and a policy that learns to prefer vowel-heavy tokens earns more."""
 
-from training.tasks import DOMAINS, Domain, Episode, Task
-from training.tasks.base import Verdict
+from tasks import DOMAINS, Domain, Episode, Task
+from tasks.base import Verdict
 
 
 class _Answer(Episode):

@@ -22,7 +22,7 @@ from serving.engine.tool_constraint import (
 )
 from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import Tokenizer
-from serving.model.tool_calls import parse_tool_calls
+from tasks.answers import parse_tool_calls
 from tests import REPO
 
 NAMES = ["get_weather", "get_time", "météo"]

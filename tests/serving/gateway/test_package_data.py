@@ -43,7 +43,7 @@ def test_an_installed_wheel_load_tests_with_its_own_locustfile(tmp_path: Path) -
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
-    for package in ("serving", "router", "kernels", "speculative", "training"):
+    for package in ("serving", "router", "kernels", "speculative", "tasks", "training"):
         shutil.copytree(
             REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__")
         )
@@ -64,19 +64,6 @@ def test_an_installed_wheel_load_tests_with_its_own_locustfile(tmp_path: Path) -
     assert Path(found["serving"]).is_relative_to(target)
     assert Path(found["locustfile"]).is_relative_to(target)
     assert "TierserveUser" in found["users"]
-    assert {"gateway/locust_prompts.json", "gateway/dashboards/gateway.json"} <= set(found["files"])
+    assert "gateway/dashboards/gateway.json" in set(found["files"])
     assert "model/chat_template.jinja" in found["files"]
     assert Path(found["attention_source"]).is_relative_to(target)
-
-
-def test_shipped_locust_prompts_are_current() -> None:
-    from loadtests.locust_prompts import OUT, build_prompts, render
-
-    shipped = OUT.read_text(encoding="utf-8")
-    assert shipped == render(build_prompts()), "run: python loadtests/locust_prompts.py"
-    prompts = json.loads(shipped)
-    kinds = {p["kind"] for p in prompts}
-    assert kinds == {
-        f"{d}-{k}" for d in ("math", "code", "terminal", "tools") for k in ("easy", "hard")
-    }
-    assert all(p["messages"][-1]["role"] == "user" for p in prompts)

@@ -5,8 +5,9 @@ import json
 import pytest
 
 from serving.api_server.serving_chat import ChatDeltaParser, parse_chat_output
-from serving.model.chat_format import ReasoningStream, split_reasoning
-from serving.model.tool_calls import ToolCallStream, parse_tool_calls
+from serving.model.chat_format import ReasoningStream
+from serving.model.tool_calls import ToolCallStream
+from tasks.answers import parse_tool_calls, split_reasoning
 
 
 def _splits(text: str):

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from serving.model.chat_format import split_reasoning
 from serving.model.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
-from serving.model.tool_calls import parse_tool_calls
+from tasks.answers import parse_tool_calls, split_reasoning
 from training.tokenizer import CHAT_TEMPLATE, MARKUP_TOKENS, save_tokenizer, train_tokenizer
 
 transformers = pytest.importorskip("transformers")

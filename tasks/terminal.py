@@ -33,8 +33,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from serving.model.chat_format import reasoning_block, split_reasoning
-from training.tasks.base import (
+from tasks.answers import parse_command_turn, reasoning_block
+from tasks.base import (
     MAX_DIFFICULTY,
     MIN_DIFFICULTY,
     Domain,
@@ -43,13 +43,11 @@ from training.tasks.base import (
     Task,
     Verdict,
 )
-from training.tasks.sandbox import Limits, Sandbox, SandboxResult
+from tasks.sandbox import Limits, Sandbox, SandboxResult
 
 MAX_STEPS = 10
 OUTPUT_CHARS = 2000
 LIMITS = Limits(timeout_s=5.0, cpu_s=5)
-COMMAND_BLOCK = re.compile(r"```(?:bash|sh)[ \t]*\n(.*?)```", re.DOTALL)
-DONE_LINE = re.compile(r"^\s*DONE\s*$", re.MULTILINE)
 STOPPED = ("timeout", "killed", "output_limit")
 CANNOT_RUN = (126, 127)  # not executable, command not found
 # difficulty -> (files per directory, nested, number of tasks)
@@ -245,25 +243,6 @@ def _tree_diff(got: dict[str, str], want: dict[str, str]) -> str:
     return "; ".join(parts)
 
 
-def parse_turn(completion: str) -> tuple[str | None, bool, str | None]:
-    """(command, done, why the turn is invalid) for one assistant turn."""
-    _, content = split_reasoning(completion)
-    blocks = COMMAND_BLOCK.findall(content)
-    outside = COMMAND_BLOCK.sub("", content)
-    done = DONE_LINE.search(outside) is not None
-    if len(blocks) > 1:
-        return None, False, f"{len(blocks)} command blocks"
-    if blocks and done:
-        return None, False, "both a command and DONE"
-    if blocks and not blocks[0].strip():
-        return None, False, "an empty command"
-    if blocks:
-        return blocks[0], False, None
-    if done:
-        return None, True, None
-    return None, False, "no ```bash block and no DONE"
-
-
 def observation(result: SandboxResult) -> str:
     output = result.stdout + result.stderr
     if len(output) > OUTPUT_CHARS:
@@ -287,7 +266,7 @@ class TerminalEpisode(Episode):
     def step(self, completion: str) -> bool:
         self.messages.append({"role": "assistant", "content": completion})
         self.steps += 1
-        command, done, invalid = parse_turn(completion)
+        command, done, invalid = parse_command_turn(completion)
         if done:
             self.finished = True
         elif invalid:

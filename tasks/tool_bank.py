@@ -1,7 +1,7 @@
 """The tool schemas of the tools domain, in the OpenAI `tools` format.
 
-Pure data: `training.tasks.tool_tasks` draws requests against them and
-`training.tasks.tools` checks calls against them.
+Pure data: `tasks.tool_tasks` draws requests against them and
+`tasks.tools` checks calls against them.
 """
 
 from typing import Any

@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving.model.chat_format import split_reasoning
-from serving.model.tool_calls import parse_tool_calls
-from training.tasks.harness import assistant_text, regressions, report, run, summarize
-from training.tasks.seeds import EVAL_SEED_BASE, eval_seed, train_seed
+from tasks import DOMAINS, opening_requests
+from tasks.answers import parse_tool_calls, split_reasoning
+from tasks.harness import assistant_text, regressions, report, run, summarize
+from tasks.seeds import EVAL_SEED_BASE, eval_seed, train_seed
 
 ALL = ["math", "code", "terminal", "tools"]
 
@@ -200,3 +200,14 @@ def test_the_eval_command_against_a_live_server(live_server, tmp_path, capsys):
             ]
         )
     assert exit_info.value.code == 1
+
+
+def test_opening_requests_start_every_domain_easy_and_hard() -> None:
+    """The load test's mix (serving/gateway/locustfile.py sends these)."""
+    requests = opening_requests(per_kind=3)
+    assert [r["kind"] for r in requests] == [
+        f"{d}-{k}" for d in DOMAINS for k in ("easy", "hard") for _ in range(3)
+    ]
+    assert all(r["messages"][-1]["role"] == "user" for r in requests)
+    assert all((r["tools"] is not None) == r["kind"].startswith("tools") for r in requests)
+    assert requests == opening_requests(per_kind=3)  # seeded: the same mix every run

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from training.tasks.sandbox import ISOLATION_ENV
+from tasks.sandbox import ISOLATION_ENV
 
 # unshare (util-linux) is on every Debian/Ubuntu base system; bubblewrap is optional. No
 # isolation is skipped for being absent: where unshare cannot isolate, these tests fail.

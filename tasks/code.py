@@ -21,12 +21,11 @@ not parse, has no `solve`, or gives no summary (crash, timeout) scores 0.
 import ast
 import json
 import random
-import re
 import secrets
 from typing import Any
 
-from serving.model.chat_format import reasoning_block, split_reasoning
-from training.tasks.base import (
+from tasks.answers import extract_program, reasoning_block
+from tasks.base import (
     MAX_DIFFICULTY,
     MIN_DIFFICULTY,
     Domain,
@@ -35,8 +34,8 @@ from training.tasks.base import (
     Task,
     Verdict,
 )
-from training.tasks.code_ops import EDGE_CASES, OPS_BY_NAME, apply_chain, draw_chain
-from training.tasks.sandbox import Limits, run_code
+from tasks.code_ops import EDGE_CASES, OPS_BY_NAME, apply_chain, draw_chain
+from tasks.sandbox import Limits, run_code
 
 N_TESTS = 10
 CASE_TIMEOUT_S = 1.0  # per call of solve; the sandbox's wall clock bounds the whole run
@@ -44,7 +43,6 @@ LIMITS = Limits(timeout_s=10.0, cpu_s=10, memory_mb=512)
 PARAM = {"int": "n", "str": "s", "list": "xs"}
 DESCRIBE = {"int": "an integer", "str": "a string", "list": "a list of integers"}
 STEP_NAMES = ("a", "b")
-CODE_BLOCK = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
 HARNESS = r'''
@@ -179,13 +177,6 @@ def make_task(seed: int, difficulty: int, chain: list[dict[str, Any]], rng: rand
         "examples": [[a, apply_chain(chain, a)] for a in examples],
     }
     return Task("code", seed, difficulty, prompt, data)
-
-
-def extract_program(completion: str) -> str:
-    """The last ```python block of the answer (reasoning dropped), else the whole answer."""
-    _, content = split_reasoning(completion)
-    blocks = CODE_BLOCK.findall(content)
-    return blocks[-1] if blocks else content
 
 
 def _summary(stdout: str, nonce: str) -> dict[str, Any] | None:

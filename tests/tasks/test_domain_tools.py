@@ -6,11 +6,11 @@ from dataclasses import replace
 import pytest
 
 from serving.model.tokenizer import Tokenizer
-from serving.model.tool_calls import parse_tool_calls
-from training.tasks.base import play
-from training.tasks.tool_bank import BANK
-from training.tasks.tool_tasks import SINGLES, running_best
-from training.tasks.tools import ToolsDomain
+from tasks.answers import parse_tool_calls
+from tasks.base import play
+from tasks.tool_bank import BANK
+from tasks.tool_tasks import SINGLES, running_best
+from tasks.tools import ToolsDomain
 
 DOMAIN = ToolsDomain()
 SEEDS = range(150)

@@ -1,6 +1,6 @@
 """The operation grammar of the code domain: what a task's chain is made of.
 
-Kept apart from `training.tasks.code`, which holds the domain, the prompt building, the
+Kept apart from `tasks.code`, which holds the domain, the prompt building, the
 sandbox harness and the verifier, so that operations can be added (each a phrase, a
 reference expression, the types it takes and gives and the inputs that exercise it)
 without touching the code that checks answers. `draw_chain` composes operations into a

@@ -3,8 +3,8 @@ against wrong, malformed and adversarial command sequences (run for real in the 
 
 import pytest
 
-from training.tasks.base import MAX_DIFFICULTY, MIN_DIFFICULTY, play
-from training.tasks.terminal import MAX_STEPS, OUTPUT_CHARS, TEMPLATES, TerminalDomain
+from tasks.base import MAX_DIFFICULTY, MIN_DIFFICULTY, play
+from tasks.terminal import MAX_STEPS, OUTPUT_CHARS, TEMPLATES, TerminalDomain
 
 DOMAIN = TerminalDomain()
 SEEDS = range(3)

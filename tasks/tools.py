@@ -25,16 +25,17 @@ import random
 import re
 from typing import Any
 
-from serving.model.chat_format import (
+from tasks import tool_tasks
+from tasks.answers import (
     CALL_START,
     THINK_END,
     THINK_START,
+    ToolCall,
+    parse_tool_calls,
     split_reasoning,
     tool_call_block,
 )
-from serving.model.tool_calls import ToolCall, parse_tool_calls
-from training.tasks import tool_tasks
-from training.tasks.base import (
+from tasks.base import (
     MAX_DIFFICULTY,
     MIN_DIFFICULTY,
     Domain,
@@ -43,8 +44,8 @@ from training.tasks.base import (
     Task,
     Verdict,
 )
-from training.tasks.tool_bank import BANK
-from training.tasks.tool_tasks import CHAINS, NUMBER_WORDS, SINGLES, date_in_words
+from tasks.tool_bank import BANK
+from tasks.tool_tasks import CHAINS, NUMBER_WORDS, SINGLES, date_in_words
 
 
 def _show(value: Any) -> str:

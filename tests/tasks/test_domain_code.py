@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from training.tasks.base import MAX_DIFFICULTY, MIN_DIFFICULTY, play
-from training.tasks.code import N_TESTS, CodeDomain, make_task, verify
-from training.tasks.code_ops import OPS, OPS_BY_NAME
+from tasks.base import MAX_DIFFICULTY, MIN_DIFFICULTY, play
+from tasks.code import N_TESTS, CodeDomain, make_task, verify
+from tasks.code_ops import OPS, OPS_BY_NAME
 
 DOMAIN = CodeDomain()
 SEEDS = range(3)

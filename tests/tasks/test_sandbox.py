@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import training.tasks.sandbox.isolation as sandbox_module
+import tasks.sandbox.isolation as sandbox_module
 from serving.cli import main as cli_main
-from tests.training.tasks.host_processes import assert_gone
-from training.tasks.sandbox import (
+from tasks.sandbox import (
     ISOLATION_ENV,
     Limits,
     Sandbox,
@@ -24,6 +23,7 @@ from training.tasks.sandbox import (
     resolve_isolation,
     run_code,
 )
+from tests.tasks.host_processes import assert_gone
 
 
 def test_python_sees_stdin_files_and_a_scrubbed_env(isolation: str) -> None:
@@ -201,7 +201,7 @@ def test_eval_refuses_rather_than_scoring_zero(
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root runs sandboxes as leased host uids")
 def test_each_live_sandbox_runs_as_a_host_uid_of_its_own(isolation: str) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c", "from training.tasks.sandbox.isolation import UidLease\n"
+        [sys.executable, "-c", "from tasks.sandbox.isolation import UidLease\n"
          "lease = UidLease()\nprint(lease.uid, flush=True)\nimport time; time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

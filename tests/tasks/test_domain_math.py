@@ -4,10 +4,10 @@ import re
 
 import pytest
 
-from serving.model.chat_format import split_reasoning
 from serving.model.tokenizer import Tokenizer
-from training.tasks.base import play
-from training.tasks.math import (
+from tasks.answers import split_reasoning
+from tasks.base import play
+from tasks.math import (
     LEVELS,
     TRACE_LINES,
     MathDomain,

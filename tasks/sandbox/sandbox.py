@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from training.tasks.sandbox.isolation import (
+from tasks.sandbox.isolation import (
     AS_ROOT,
     PROGDIR,
     PYTHON,
@@ -18,7 +18,7 @@ from training.tasks.sandbox.isolation import (
     remove_dirs,
     resolve_isolation,
 )
-from training.tasks.sandbox.process import Limits, SandboxResult, run_limited
+from tasks.sandbox.process import Limits, SandboxResult, run_limited
 
 INTERPRETERS = {"python": (PYTHON, "main.py"), "bash": ("/bin/bash", "main.sh")}
 

@@ -20,11 +20,10 @@ of 400 drawn, 399 of difficulty 2 and 387 of difficulty 3).
 """
 
 import random
-import re
 from typing import Any
 
-from serving.model.chat_format import reasoning_block, split_reasoning
-from training.tasks.base import (
+from tasks.answers import final_integer, reasoning_block, split_reasoning
+from tasks.base import (
     MAX_DIFFICULTY,
     MIN_DIFFICULTY,
     Domain,
@@ -48,7 +47,6 @@ PLACES += ("millions", "ten-millions", "hundred-millions", "billions", "ten-bill
 PRECEDENCE = {"+": 1, "-": 1, "*": 2}
 # An integer, optionally with thousands separators ("1,234,567" or "1 234 567"); a minus
 # counts only when it does not follow a digit ("12-3" holds 12 and 3).
-INTEGER = re.compile(r"(?<!\d)-?\d{1,3}(?:[, ]\d{3})+(?!\d)|(?<!\d)-?\d+")
 
 
 # An expression tree as JSON-friendly data: an int, or [op, left, right].
@@ -258,12 +256,6 @@ def _trace(tree: Tree) -> list[str]:
         tree = _reduce(tree, operation, value)
         lines.append(f"Left: {tree if isinstance(tree, int) else render(tree, grouped=True)}")
     return lines
-
-
-def final_integer(text: str) -> int | None:
-    """The last integer in `text` (thousands separators and a leading minus allowed)."""
-    found = INTEGER.findall(text.replace("\u2212", "-"))
-    return int(re.sub(r"[, ]", "", found[-1])) if found else None
 
 
 def score(task: Task, completion: str) -> Verdict:

@@ -1,8 +1,9 @@
 """The evaluation harness: play held-out tasks against any OpenAI-compatible chat endpoint.
 
 One client path serves every target: a remote server (ours, the gateway, vLLM) over HTTP, or
-a checkpoint served in process through the same FastAPI app (ASGI transport), so what is
-measured is what users get. The model's raw text is rebuilt from the parsed response
+any client the caller opens (training serves a checkpoint in process through the tier's own
+FastAPI app over an ASGI transport: `training/evaluation.py`), so what is measured is what
+users get. The model's raw text is rebuilt from the parsed response
 (`reasoning_content` back into <think>, `tool_calls` back into <tool_call> blocks) and fed to
 the domain's episode, which verifies it. `--reference` plays the reference solutions instead,
 which must score 100%: a check of the verifiers themselves.
@@ -19,9 +20,9 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from serving.model.chat_format import reasoning_block, tool_call_block
-from training.tasks import Domain, Style, Task, get_domain
-from training.tasks.seeds import eval_seed
+from tasks import Domain, Style, Task, get_domain
+from tasks.answers import reasoning_block, tool_call_block
+from tasks.seeds import eval_seed
 
 MAX_TURNS = 24  # a guard on top of each domain's own step limit
 
@@ -276,7 +277,7 @@ async def run(
     run_seed: int,
     concurrency: int,
     *,
-    model_dir: str | None = None,
+    client: httpx.AsyncClient | None = None,
     url: str | None = None,
     served_model: str | None = None,
     api_key: str | None = None,
@@ -284,29 +285,17 @@ async def run(
     max_tokens: int = 512,
     temperature: float = 0.0,
 ) -> list[Record]:
-    """Evaluate one target: a checkpoint in process, a server by URL, or the references."""
+    """Evaluate one target: an open client, a server by URL, or the references."""
     domains = {name: get_domain(name) for name in domain_names}
     if reference is not None:
         policy = reference_policy(domains, reference)
         return await evaluate(domains, difficulties, n, run_seed, policy, concurrency)
-    if url is not None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
-            policy = chat_policy(client, served_model or "", max_tokens, temperature)
-            return await evaluate(domains, difficulties, n, run_seed, policy, concurrency)
-    from serving.api_server.api_server import build_app
-    from serving.engine.async_engine import AsyncEngine  # the in-process server
-    from serving.engine.llm_engine import LLMEngine
-    from serving.model.host_threads import build_off_thread
-
-    # Built on a passing thread, as the server builds its own: see host_threads.
-    engine = build_off_thread(lambda: LLMEngine.from_checkpoint(model_dir))
-    aengine = AsyncEngine(engine)
-    try:
-        app = build_app(aengine, engine.tokenizer, "local")
-        transport = httpx.ASGITransport(app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://local/v1/") as client:
-            policy = chat_policy(client, "local", max_tokens, temperature)
-            return await evaluate(domains, difficulties, n, run_seed, policy, concurrency)
-    finally:
-        aengine.stop()
+    if client is not None:
+        policy = chat_policy(client, served_model or "", max_tokens, temperature)
+        return await evaluate(domains, difficulties, n, run_seed, policy, concurrency)
+    if url is None:
+        raise ValueError("evaluate a client, a url or the references")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as opened:
+        policy = chat_policy(opened, served_model or "", max_tokens, temperature)
+        return await evaluate(domains, difficulties, n, run_seed, policy, concurrency)

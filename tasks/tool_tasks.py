@@ -1,8 +1,8 @@
 """The task generators of the tools domain: value pools, the single-call request
 generators in `SINGLES` and the two-step chains in `CHAINS`, against the schemas of
-`training.tasks.tool_bank`.
+`tasks.tool_bank`.
 
-Kept apart from `training.tasks.tools`, which holds the domain, its episode and its
+Kept apart from `tasks.tools`, which holds the domain, its episode and its
 verifier, so that the data can grow without burying the verification logic. Everything
 here is deterministic given the `random.Random` it is handed.
 """
@@ -12,7 +12,7 @@ import unicodedata
 from collections.abc import Callable
 from typing import Any, Literal
 
-from training.tasks.tool_bank import CUISINES, LANGUAGES
+from tasks.tool_bank import CUISINES, LANGUAGES
 
 CITIES = ("Paris", "Tokyo", "Nairobi", "Lima", "Oslo", "Toronto", "Mumbai", "Sydney", "Cairo")
 CITIES += ("Berlin", "Seoul", "Madrid", "Chicago", "Lisbon", "Hanoi", "Denver")

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from tests import REPO
-from tests.training.tasks.host_processes import FORK_BOMB, assert_gone, host_process
-from training.tasks.sandbox import (
+from tasks.sandbox import (
     Limits,
     Sandbox,
     SandboxPool,
     run_code,
 )
+from tests import REPO
+from tests.tasks.host_processes import FORK_BOMB, assert_gone, host_process
 
 
 def test_fork_bomb_is_contained_and_the_host_stays_responsive(isolation: str) -> None:
