@@ -26,8 +26,8 @@ from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
 from serving.model.dtype import DTYPES
 from serving.model.sampling import SamplingParams
-from training.init_checkpoint import read_shape, stdlib_corpus
-from training.tokenizer import save_tokenizer, train_tokenizer
+from training.data.tokenizer import save_tokenizer, train_tokenizer
+from training.stages.init_checkpoint import read_shape, stdlib_corpus
 
 SHAPE = Path(__file__).with_name("bench-moe-43m.json")
 

@@ -346,7 +346,7 @@ def main() -> None:
             children.append(subprocess.Popen(command))
             tier = {"engine": "remote", "base_url": f"http://127.0.0.1:{port}/v1"}
         else:
-            from training.init_checkpoint import init_checkpoint
+            from training.stages.init_checkpoint import init_checkpoint
 
             model = args.model or init_checkpoint(workdir / "bench-moe")
             tier = {"engine": "embedded", "model": str(model), "threads": 1}

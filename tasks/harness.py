@@ -2,7 +2,7 @@
 
 One client path serves every target: a remote server (ours, the gateway, vLLM) over HTTP, or
 any client the caller opens (training serves a checkpoint in process through the tier's own
-FastAPI app over an ASGI transport: `training/evaluation.py`), so what is measured is what
+FastAPI app over an ASGI transport: `training/reports/evaluation.py`), so what is measured is what
 users get. The model's raw text is rebuilt from the parsed response
 (`reasoning_content` back into <think>, `tool_calls` back into <tool_call> blocks) and fed to
 the domain's episode, which verifies it. `--reference` plays the reference solutions instead,

@@ -60,7 +60,9 @@ def tiny_tokenizer() -> tokenizers.Tokenizer:
 def random_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default ~5M-parameter random Qwen3-MoE with its trained tokenizer and chat
     template (about 5 s to build), in a directory named `tiny-moe`."""
-    from training.init_checkpoint import init_checkpoint  # only the tests that need it load it
+    from training.stages.init_checkpoint import (
+        init_checkpoint,  # only the tests that need it load it
+    )
 
     return init_checkpoint(tmp_path_factory.mktemp("checkpoint") / "tiny-moe")
 

@@ -1,5 +1,7 @@
-"""Training's subcommands: `train` (one subcommand per stage, plus the tokenizer and whole
-recipes), `eval` (the harness, and the routers' curves), `sandbox exec`, `init-checkpoint`.
+"""Training's subcommands: `train` (one subcommand per stage, plus the tokenizer, a random
+initial checkpoint and whole recipes) and `eval` (`tasks`: the harness on a model, a server or
+the references; `router`: the routers' curves; `quantization`: quantized checkpoints against
+their model).
 
 DeepSpeed and matplotlib come with the `train` extra (`pip install -e ".[train]"`); they
 are imported only when a training command runs, so serving needs neither.
@@ -12,13 +14,12 @@ import os
 import sys
 from pathlib import Path
 
-from router.cli import add_eval_router_args, add_train_router, run_eval_router
+from router.commands import add_eval_router, add_train_router
 from router.learned import RouterFileError
 from router.outcomes import OutcomeError
-from tasks.sandbox import ISOLATION_CHOICES, ISOLATION_ENV, SandboxUnavailable
 from training.config import ConfigError
 
-USER_ERRORS = (ConfigError, RouterFileError, OutcomeError, SandboxUnavailable)
+USER_ERRORS = (ConfigError, RouterFileError, OutcomeError)
 
 
 def _require_training_extra() -> None:
@@ -34,7 +35,7 @@ def _require_training_extra() -> None:
 def run_stage_command(args: argparse.Namespace) -> None:
     _require_training_extra()
     from training.config import load_stage_config
-    from training.stages import run_stage
+    from training.stages.run import run_stage
 
     fields = {"stage": args.stage}
     for key in ("init", "style", "tokenizer"):
@@ -46,7 +47,7 @@ def run_stage_command(args: argparse.Namespace) -> None:
 
 def run_recipe_command(args: argparse.Namespace) -> None:
     _require_training_extra()
-    from training.recipes import RegressionError, run_recipe
+    from training.recipes.run import RegressionError, run_recipe
 
     work = args.work or Path("runs") / args.name
     try:
@@ -59,7 +60,7 @@ def run_recipe_command(args: argparse.Namespace) -> None:
 
 
 def run_tokenizer_command(args: argparse.Namespace) -> None:
-    from training.recipes import build_tokenizer
+    from training.recipes.run import build_tokenizer
 
     print(build_tokenizer(args.out, args.vocab_size, args.examples))
 
@@ -110,55 +111,26 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--examples", type=int, default=2000, help="tasks drawn for the corpus")
     p.set_defaults(run=run_tokenizer_command)
+    p = stages.add_parser(
+        "init-checkpoint", help="step 0: random weights with a freshly trained tokenizer"
+    )
+    p.add_argument("out", type=Path)
+    p.add_argument(
+        "--shape", type=Path, help="a config.json, or a card with the config under 'config'"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=run_init_checkpoint)
 
 
 def run_init_checkpoint(args: argparse.Namespace) -> None:
-    from training.init_checkpoint import init_checkpoint, read_shape
+    from training.stages.init_checkpoint import init_checkpoint, read_shape
 
     shape = read_shape(args.shape) if args.shape else None
     print(init_checkpoint(args.out, shape, seed=args.seed))
 
 
-def add_init_checkpoint(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "init-checkpoint", help="write a random-weight checkpoint with a trained tokenizer"
-    )
-    parser.add_argument("out", type=Path)
-    parser.add_argument(
-        "--shape", type=Path, help="a config.json, or a card with the config under 'config'"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(run=run_init_checkpoint)
-
-
-def run_sandbox_exec(args: argparse.Namespace) -> None:
-    from tasks.sandbox import Limits, run_code
-
-    limits = Limits() if args.timeout is None else Limits(timeout_s=args.timeout)
-    result = run_code(args.lang, args.file.read_text(), limits=limits, isolation=args.isolation)
-    print(json.dumps(result.to_json()))
-
-
-def add_sandbox(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("sandbox", help="run untrusted code in the execution sandbox")
-    actions = parser.add_subparsers(required=True, metavar="ACTION")
-    exec_parser = actions.add_parser("exec", help="run one file and print the JSON result")
-    exec_parser.add_argument("--lang", required=True, choices=["python", "bash"])
-    exec_parser.add_argument("file", type=Path)
-    exec_parser.add_argument("--timeout", type=float, help="wall-clock seconds (default 5)")
-    exec_parser.add_argument(
-        "--isolation",
-        choices=ISOLATION_CHOICES,
-        help=f"default ${ISOLATION_ENV}, else auto: bubblewrap, else unshare, else refuse; "
-        "rlimits: no namespaces, only if you accept running the file nearly unconfined",
-    )
-    exec_parser.set_defaults(run=run_sandbox_exec)
-
-
 def run_eval_quantization(args: argparse.Namespace) -> None:
-    if args.full_precision is None or not args.quantized:
-        args.parser.error("eval quantization needs --full-precision and --quantized")
-    from training import quantization_report
+    from training.reports import quantization as quantization_report
 
     rows = quantization_report.compare(
         args.full_precision, args.quantized, args.examples, args.style
@@ -166,17 +138,9 @@ def run_eval_quantization(args: argparse.Namespace) -> None:
     print(quantization_report.format_table(args.full_precision, rows))
 
 
-def run_eval(args: argparse.Namespace) -> None:
-    if args.what == "router":
-        run_eval_router(args)
-        return
-    if args.what == "quantization":
-        run_eval_quantization(args)
-        return
-    if args.model is None and args.url is None and args.reference is None:
-        args.parser.error("one of --model, --url or --reference is required")
+def run_eval_tasks(args: argparse.Namespace) -> None:
     from tasks import harness
-    from training.evaluation import evaluate_checkpoint
+    from training.reports.evaluation import evaluate_checkpoint
 
     selection = (args.domains.split(","), args.difficulty, args.n, args.seed, args.concurrency)
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
@@ -207,34 +171,18 @@ def run_eval(args: argparse.Namespace) -> None:
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "eval",
-        help="score a model on held-out tasks of the domains (or the routers, or quantization)",
+    parser = sub.add_parser("eval", help="score models on held-out tasks, routers, quantization")
+    evals = parser.add_subparsers(required=True, metavar="WHAT")
+    add_eval_tasks(evals)
+    add_eval_router(evals)
+    add_eval_quantization(evals)
+
+
+def add_eval_tasks(evals: argparse._SubParsersAction) -> None:
+    parser = evals.add_parser(
+        "tasks", help="held-out tasks of the domains: completion rate by domain and difficulty"
     )
-    parser.add_argument(
-        "what",
-        nargs="?",
-        choices=["router", "quantization"],
-        help="`router`: the routers' quality-vs-cost curves on paired outcomes; "
-        "`quantization`: quantized checkpoints' KL and top-1 agreement to their model",
-    )
-    add_eval_router_args(parser)
-    parser.add_argument(
-        "--full-precision", type=Path, help="eval quantization: the unquantized model"
-    )
-    parser.add_argument(
-        "--quantized", type=Path, nargs="+", help="eval quantization: its quantized checkpoints"
-    )
-    parser.add_argument(
-        "--examples", type=int, default=64, help="eval quantization: held-out tasks drawn"
-    )
-    parser.add_argument(
-        "--style",
-        choices=["think", "short"],
-        default="think",
-        help="eval quantization: of the turns",
-    )
-    target = parser.add_mutually_exclusive_group()
+    target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--model", type=Path, help="a checkpoint directory, served in process")
     target.add_argument("--url", help="an OpenAI-compatible API root, e.g. http://host:8100/v1")
     target.add_argument(
@@ -254,9 +202,22 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-drop", type=float, default=5.0, help="allowed drop in completion, in points"
     )
-    parser.set_defaults(run=run_eval, parser=parser)
+    parser.set_defaults(run=run_eval_tasks)
+
+
+def add_eval_quantization(evals: argparse._SubParsersAction) -> None:
+    parser = evals.add_parser(
+        "quantization", help="quantized checkpoints' KL and top-1 agreement to their model"
+    )
+    parser.add_argument("--full-precision", type=Path, required=True, help="the unquantized model")
+    parser.add_argument(
+        "--quantized", type=Path, nargs="+", required=True, help="its quantized checkpoints"
+    )
+    parser.add_argument("--examples", type=int, default=64, help="held-out tasks drawn")
+    parser.add_argument("--style", choices=["think", "short"], default="think", help="of the turns")
+    parser.set_defaults(run=run_eval_quantization)
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    for add in (add_init_checkpoint, add_sandbox, add_eval, add_train):
+    for add in (add_eval, add_train):
         add(sub)

@@ -101,7 +101,8 @@ class DataConfig(BaseModel):
 
 
 class DPOConfig(BaseModel):
-    """Multi-objective preference pairs from the `init` model's samples (training/preference.py)."""
+    """Multi-objective preference pairs from the `init` model's samples
+    (training/stages/preference.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -115,7 +116,7 @@ class DPOConfig(BaseModel):
 
 
 class RLConfig(BaseModel):
-    """GRPO with DAPO's refinements (training/rl.py)."""
+    """GRPO with DAPO's refinements (training/stages/grpo.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -133,7 +134,7 @@ class RLConfig(BaseModel):
 
 
 class CurriculumConfig(BaseModel):
-    """SFT's order of examples (training/curriculum.py): the first difficulties alone until
+    """SFT's order of examples (training/data/curriculum.py): the first difficulties alone until
     the loss at copy positions falls below a threshold, then all; each domain's share
     follows its measured loss."""
 
@@ -151,7 +152,8 @@ class CurriculumConfig(BaseModel):
 
 
 class QATConfig(BaseModel):
-    """SFT only: train through FP4 weights (`training/qat.py`) and export the FP4 checkpoint."""
+    """SFT only: train through FP4 weights (`training/stages/qat.py`) and export the FP4
+    checkpoint."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -169,14 +171,15 @@ class StageConfig(BaseModel):
     # a checkpoint directory to start from (sft, dpo, rl; draft's teacher; mtp's target)
     init: str | None = None
     shape: dict[str, Any] | None = None  # config.json fields of a model built from scratch
-    # sft: start from these decoder layers of `init` only (depth pruning, training/pruning.py)
+    # sft: start from these decoder layers of `init` only (depth pruning,
+    # training/stages/pruning.py)
     keep_layers: list[int] | None = None
     tokenizer: str | None = None  # a directory holding tokenizer.json (pretrain, draft)
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     kd_temperature: float = Field(1.0, gt=0)  # draft, sft: softmax temperature of distillation
     # draft, mtp: train on the reference turns of `style`, or on the target's (`init`'s) own
-    # greedy completions of the same prompts (training/target_data.py)
+    # greedy completions of the same prompts (training/data/target_data.py)
     draft_data: Literal["reference", "target"] = "reference"
     # mtp: the drafts a step chains the head for when serving (`num_speculative_tokens`),
     # each depth trained; the first of them alone is what a one-layer head was trained for

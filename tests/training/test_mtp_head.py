@@ -14,8 +14,8 @@ from serving.model.causal_lm import CausalLM, causal_mask
 from serving.model.checkpoint import load_checkpoint, quantize_checkpoint
 from serving.model.config import ModelConfig
 from training.config import ConfigError
-from training.init_checkpoint import DEFAULT_SHAPE, init_checkpoint
-from training.mtp_head import load_for_mtp
+from training.stages.init_checkpoint import DEFAULT_SHAPE, init_checkpoint
+from training.stages.mtp import load_for_mtp
 
 
 def test_depths_past_the_layers_chain_the_last_one() -> None:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from training.preference import (
+from training.stages.preference import (
     Scored,
     brevity,
     code_quality,

@@ -6,7 +6,7 @@ from serving.model.checkpoint import load_checkpoint, save_checkpoint
 from serving.model.config import ModelConfig
 from tests.tiny_models import TINY_MOE
 from training.config import ConfigError
-from training.pruning import keep_layers
+from training.stages.pruning import keep_layers
 
 
 @pytest.fixture()

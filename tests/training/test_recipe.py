@@ -16,7 +16,7 @@ import transformers
 from serving.model.checkpoint import load_checkpoint, save_checkpoint
 from serving.model.tokenizer import Tokenizer
 from training.config import DataConfig
-from training.datasets import chat_examples
+from training.data.datasets import chat_examples
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def test_a_regressing_stage_stops_the_recipe(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The RL stage's model completes fewer math tasks than DPO's, beyond the allowed drop."""
-    from training import recipes
+    from training.recipes import run as recipes
 
     rates = {"sft-think": 0.5, "sft-short": 0.5, "qat-short": 0.5, "dpo": 0.6, "rl": 0.3}
     strict = tmp_path / "strict"

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from training.config import ConfigError, load_recipe_config
-from training.recipes import recipe_dir
+from training.recipes.run import recipe_dir
 
 
 @pytest.mark.parametrize("name", ["demo", "smoke"])

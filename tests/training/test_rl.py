@@ -4,7 +4,7 @@ sampling, the overlong penalty, the k3 KL, and domain weights that follow progre
 import pytest
 import torch
 
-from training.rl import (
+from training.stages.grpo import (
     DomainWeights,
     group_advantages,
     informative,

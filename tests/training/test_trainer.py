@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.training.trainer_runs import TIERSERVE, env, pretrain_args, read_log, train
-from training import checkpointing
+from training.stages import checkpointing
 
 pytestmark = pytest.mark.slow
 

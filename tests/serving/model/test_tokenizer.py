@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from serving.model.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 from tasks.answers import parse_tool_calls, split_reasoning
-from training.tokenizer import CHAT_TEMPLATE, MARKUP_TOKENS, save_tokenizer, train_tokenizer
+from training.data.tokenizer import CHAT_TEMPLATE, MARKUP_TOKENS, save_tokenizer, train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

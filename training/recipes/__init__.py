@@ -1,0 +1,1 @@
+"""Recipes: the chain of stages that makes the shipped models, one folder of TOML files each."""

@@ -1,0 +1,219 @@
+"""The RL stage: each step samples tasks, plays groups of episodes with the current policy
+through our engine, and takes one optimizer step on the GRPO / DAPO objective
+(training/stages/grpo.py).
+
+Tasks come from the training seed range, their domains drawn by `DomainWeights` (learning
+progress, or the fixed mix as a baseline) and their difficulties from the data config, all
+from a generator seeded by (seed, step, rank): with the rollouts' own seeded sampling, a
+resumed run repeats exactly what the uninterrupted one did. The domain weights' state is
+checkpointed with the model. Each answer turn becomes one training row (prompt, completion,
+the sampling log-probabilities, its episode's advantage); the rows of a step are split over
+the `grad_accum` micro-batches, and the trainer divides the summed token losses by the
+step's completion tokens (DAPO's token-level loss).
+"""
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serving.engine.llm_engine import EngineConfig
+from serving.model.causal_lm import CausalLM
+from serving.model.checkpoint import load_checkpoint
+from serving.model.tokenizer import Tokenizer
+from tasks import DOMAINS, Task
+from tasks.seeds import train_seed
+from training.config import StageConfig
+from training.data.datasets import IGNORE, Batch, completion_batch
+from training.stages.grpo import (
+    DomainWeights,
+    group_advantages,
+    informative,
+    kl_k3_sum,
+    overlong_penalty,
+    policy_loss_sum,
+)
+from training.stages.losses import token_losses
+from training.stages.rollouts import Rollout, inference_copy, play
+from training.stages.trainer import EvalFn, LossParts, Trainer
+
+
+class RLBatch(Batch):
+    """A batch of answer turns with what the objective needs beside the tokens."""
+
+    def __init__(
+        self,
+        batch: Batch,
+        old_logprobs: torch.Tensor,
+        ref_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor,
+    ) -> None:
+        super().__init__(batch.input_ids, batch.labels, batch.padding_mask)
+        self.old_logprobs = old_logprobs  # [B, L], aligned with labels (0 where IGNORE)
+        self.ref_logprobs = ref_logprobs  # [B, L] or None without a KL term
+        self.advantages = advantages  # [B]
+
+
+def label_logprobs(model: CausalLM, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of each position's label [B, L] (0 where IGNORE), and the logits."""
+    logits = model.compute_logits(
+        model(batch.input_ids, batch.positions, padding_mask=batch.padding_mask)
+    )
+    return -token_losses(logits, batch.labels), logits
+
+
+def rl_loss(config: StageConfig) -> Any:
+    rl = config.rl
+
+    def loss(model: CausalLM, batch: RLBatch) -> LossParts:
+        mask = batch.labels != IGNORE
+        logp, logits = label_logprobs(model, batch)
+        objective, clipped = policy_loss_sum(
+            logp, batch.old_logprobs, batch.advantages, mask, rl.eps_low, rl.eps_high
+        )
+        metrics = {"clip_frac": clipped.item()}
+        if batch.ref_logprobs is not None:
+            kl = kl_k3_sum(logp, batch.ref_logprobs, mask)
+            objective = objective + rl.kl_coef * kl
+            metrics["kl"] = kl.item() / max(1, int(mask.sum()))
+        with torch.no_grad():
+            probs = logits.float().softmax(-1)
+            entropy = -(probs * probs.clamp(min=1e-12).log()).sum(-1)
+            metrics["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+        nll = -(logp.detach() * mask).sum()
+        return LossParts(objective, nll, torch.zeros(()), metrics)
+
+    return loss
+
+
+# One answer turn: prompt ids, completion ids, the completion's sampling log-probabilities,
+# and its episode's advantage.
+Row = tuple[list[int], list[int], list[float], float]
+
+
+def turn_rows(rollout: Rollout, advantage: float, seq_len: int) -> list[Row]:
+    """A row for each of the rollout's turns that fits `seq_len`."""
+    return [
+        (turn.prompt_ids, turn.completion_ids, turn.logprobs, advantage)
+        for turn in rollout.turns
+        if turn.completion_ids and len(turn.prompt_ids) + len(turn.completion_ids) - 1 <= seq_len
+    ]
+
+
+def collate(rows: list[Row], pad_id: int) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+    """The rows' batch, the sampling log-probabilities aligned with its labels (0
+    elsewhere), and the advantages."""
+    batch = completion_batch([(prompt, completion) for prompt, completion, _, _ in rows], pad_id)
+    old = torch.zeros(batch.labels.shape)
+    for b, (prompt, _, logprobs, _) in enumerate(rows):
+        old[b, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] = torch.tensor(logprobs)
+    return batch, old, torch.tensor([row[3] for row in rows])
+
+
+class RLTrainer(Trainer):
+    def __init__(
+        self,
+        config: StageConfig,
+        tokenizer: Tokenizer,
+        pad_id: int,
+        out_dir: Path,
+        evaluate: EvalFn | None = None,
+    ) -> None:
+        """Trains `config.init`; with a KL term, against a frozen copy of it."""
+        self.config, self.tokenizer, self.pad_id = config, tokenizer, pad_id
+        self.reference = load_checkpoint(config.init).eval() if config.rl.kl_coef > 0 else None
+        self.weights = DomainWeights(
+            dict(config.data.mix), fixed=config.rl.domain_weighting == "fixed"
+        )
+        self.step_stats: dict[str, float] = {}
+        model = load_checkpoint(config.init)
+        super().__init__(model, config.train, None, out_dir, rl_loss(config), evaluate, "rl")
+
+    def state(self, step: int) -> dict[str, Any]:
+        return super().state(step) | {"fast": self.weights.fast, "slow": self.weights.slow}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        super().restore(state)
+        self.weights.fast, self.weights.slow = state["fast"], state["slow"]
+
+    def tasks(self, step: int) -> list[Task]:
+        rl, data = self.config.rl, self.config.data
+        rng = random.Random(f"rl:{self.cfg.seed}:{step}:{self.rank}")
+        weights = self.weights.weights()
+        names = list(weights)
+        base = data.seed + (step * self.world + self.rank) * rl.tasks_per_step
+        return [
+            DOMAINS[rng.choices(names, [weights[n] for n in names])[0]].generate(
+                train_seed(base + i), rng.choice(data.difficulties)
+            )
+            for i in range(rl.tasks_per_step)
+        ]
+
+    def micro_batches(self, step: int) -> list[Batch]:
+        rl = self.config.rl
+        engine = inference_copy(
+            self.model, self.tokenizer, EngineConfig(max_num_seqs=64, kv_cache_bytes=64 << 20)
+        )
+        groups = play(
+            engine, DOMAINS, self.tasks(step), rl.group_size, rl.max_tokens, self.cfg.seed,
+            rl.max_turns, rl.temperature,
+        )  # fmt: skip
+        del engine
+        rows: list[Row] = []
+        stats: dict[str, list[float]] = {}
+        kept = 0
+        for group in groups:
+            domain = group[0].task.domain
+            rewards = [
+                r.reward
+                + overlong_penalty(
+                    max((len(t.completion_ids) for t in r.turns), default=0),
+                    rl.max_tokens,
+                    rl.overlong_cache,
+                )
+                for r in group
+            ]
+            for r in group:
+                stats.setdefault(f"reward/{domain}", []).append(r.reward)
+                stats.setdefault(f"success/{domain}", []).append(float(r.reward >= 1.0))
+                stats.setdefault(f"length/{domain}", []).append(r.num_completion_tokens)
+                # The sampled tokens' mean surprisal: an unbiased estimate of the policy's
+                # entropy at temperature 1.
+                stats.setdefault(f"entropy/{domain}", []).extend(
+                    -lp for t in r.turns for lp in t.logprobs
+                )
+            if rl.dynamic_sampling and not informative(rewards):
+                continue
+            kept += 1
+            for r, adv in zip(group, group_advantages(torch.tensor([rewards]))[0].tolist(),
+                              strict=True):  # fmt: skip
+                rows += turn_rows(r, adv, self.cfg.seq_len)
+        for key, values in stats.items():
+            if key.startswith("success/"):
+                self.weights.update(key.split("/")[1], sum(values) / len(values))
+        self.step_stats = {k: sum(v) / len(v) for k, v in stats.items() if v}
+        self.step_stats |= {f"weight/{d}": w for d, w in self.weights.weights().items()}
+        self.step_stats["groups_kept"] = kept / len(groups)
+        return self._split(rows)
+
+    def _split(self, rows: list[Row]) -> list[Batch]:
+        """Exactly `grad_accum` micro-batches (DeepSpeed steps at that boundary); a
+        micro-batch without rows is one padding token with no label, a zero loss."""
+        n = self.cfg.grad_accum
+        size = max(1, -(-len(rows) // n))
+        out = []
+        for m in range(n):
+            # No rows: one padding position with no label.
+            part = rows[m * size : (m + 1) * size] or [([self.pad_id] * 2, [], [], 0.0)]
+            batch, old, adv = collate(part, self.pad_id)
+            ref = None
+            if self.reference is not None and self.config.rl.kl_coef > 0:
+                with torch.no_grad():
+                    ref = label_logprobs(self.reference, batch)[0]
+            out.append(RLBatch(batch, old, ref, adv))
+        return out
+
+    def train_step(self, step: int) -> dict[str, float]:
+        row = super().train_step(step)
+        return row | self.step_stats
