@@ -1,4 +1,4 @@
-"""Paired outcomes: the same held-out prompts played by both tiers (`tierserve eval --json`),
+"""Paired outcomes: the same held-out prompts played by both tiers (`tierserve eval tasks --json`),
 joined on (domain, difficulty, seed). What the learned router trains on and what
 `tierserve eval router` scores routers with."""
 
@@ -26,13 +26,13 @@ def _records(path: Path) -> dict[tuple[str, int, int], dict[str, Any]]:
     try:
         records = json.loads(path.read_text())["records"]
     except (KeyError, TypeError, json.JSONDecodeError) as e:
-        raise OutcomeError(f"{path}: not a `tierserve eval --json` file ({e})") from e
+        raise OutcomeError(f"{path}: not a `tierserve eval tasks --json` file ({e})") from e
     by_task = {}
     for r in records:
         if not r.get("messages"):
             raise OutcomeError(
-                f"{path}: records carry no messages; re-run `tierserve eval --json` with this "
-                "version"
+                f"{path}: records carry no messages; re-run `tierserve eval tasks --json` with "
+                "this version"
             )
         by_task[(r["domain"], r["difficulty"], r["seed"])] = r
     return by_task

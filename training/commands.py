@@ -34,8 +34,7 @@ def _require_training_extra() -> None:
 
 def run_stage_command(args: argparse.Namespace) -> None:
     _require_training_extra()
-    from training.config import load_stage_config
-    from training.stages.run import run_stage
+    from training.stages.run import load_stage_config, run_stage
 
     fields = {"stage": args.stage}
     for key in ("init", "style", "tokenizer"):

@@ -6,9 +6,9 @@ Unknown keys are errors, so a typo cannot silently leave a default in force.
 """
 
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -20,6 +20,8 @@ from pydantic import (
 )
 
 from tasks import DOMAINS
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -102,7 +104,7 @@ class DataConfig(BaseModel):
 
 class DPOConfig(BaseModel):
     """Multi-objective preference pairs from the `init` model's samples
-    (training/stages/preference.py)."""
+    (training/objectives/preference.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -116,7 +118,7 @@ class DPOConfig(BaseModel):
 
 
 class RLConfig(BaseModel):
-    """GRPO with DAPO's refinements (training/stages/grpo.py)."""
+    """GRPO with DAPO's refinements (training/objectives/grpo.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -161,37 +163,22 @@ class QATConfig(BaseModel):
     all_linear: bool = False  # attention and dense MLP projections too, not only experts
 
 
-class StageConfig(BaseModel):
-    """One stage: where its model comes from, what data it sees, how it trains."""
+class StageBase(BaseModel):
+    """What every stage's config holds: the data it sees and how it trains. Each stage adds
+    its own fields in its module (`training/stages/`), so a field another stage owns is an
+    unknown key there, refused like a typo."""
 
     model_config = ConfigDict(extra="forbid")
 
-    stage: Literal["pretrain", "sft", "draft", "mtp", "dpo", "rl"]
-    style: Literal["think", "short"] = "think"
-    # a checkpoint directory to start from (sft, dpo, rl; draft's teacher; mtp's target)
-    init: str | None = None
-    shape: dict[str, Any] | None = None  # config.json fields of a model built from scratch
-    # sft: start from these decoder layers of `init` only (depth pruning,
-    # training/stages/pruning.py)
-    keep_layers: list[int] | None = None
-    tokenizer: str | None = None  # a directory holding tokenizer.json (pretrain, draft)
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
-    kd_temperature: float = Field(1.0, gt=0)  # draft, sft: softmax temperature of distillation
-    # draft, mtp: train on the reference turns of `style`, or on the target's (`init`'s) own
-    # greedy completions of the same prompts (training/data/target_data.py)
-    draft_data: Literal["reference", "target"] = "reference"
-    # mtp: the drafts a step chains the head for when serving (`num_speculative_tokens`),
-    # each depth trained; the first of them alone is what a one-layer head was trained for
-    mtp_depths: int = Field(1, ge=1)
-    # sft in the short style: the think-style checkpoint whose answer-token distributions,
-    # given its reasoning, the student learns (logit KL), weighted by kd_weight
-    teacher: str | None = None
-    kd_weight: float = Field(1.0, ge=0)
-    dpo: DPOConfig = DPOConfig()
-    rl: RLConfig = RLConfig()
-    curriculum: CurriculumConfig = CurriculumConfig()  # sft only
-    qat: QATConfig = QATConfig()  # sft only
+
+
+class FromCheckpoint(StageBase):
+    """A stage that starts from (or distils) a trained checkpoint."""
+
+    init: str  # a checkpoint directory
+    style: Literal["think", "short"] = "think"  # of the turns: reasoning trace, or answer only
 
 
 class TokenizerSpec(BaseModel):
@@ -277,9 +264,13 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_stage_config(
-    path: str | Path | None, overrides: list[str] | None = None, **defaults: Any
-) -> StageConfig:
+def load_config(
+    path: str | Path | None,
+    overrides: list[str] | None,
+    validate: Callable[[dict[str, Any]], T],
+    **defaults: Any,
+) -> T:
+    """`defaults`, then the TOML file at `path`, then `--set` overrides, validated."""
     raw: dict[str, Any] = dict(defaults)
     if path is not None:
         try:
@@ -289,7 +280,7 @@ def load_stage_config(
     for item in overrides or []:
         _set_dotted(raw, *parse_override(item))
     try:
-        return StageConfig.model_validate(raw)
+        return validate(raw)
     except ValidationError as e:
         where = f"{path}: " if path else ""
         raise ConfigError(f"{where}invalid stage config:\n{e}") from e

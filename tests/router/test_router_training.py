@@ -1,4 +1,4 @@
-"""The learned router's pipeline through the CLI: `tierserve eval --json` outcomes of both
+"""The learned router's pipeline through the CLI: `tierserve eval tasks --json` outcomes of both
 tiers -> `tierserve train router` -> `tierserve eval router` on held-out prompts.
 
 The outcomes are the domains' reference solutions, with the highspeed tier's made to fail
@@ -65,7 +65,7 @@ def test_outcome_files_must_pair_up(tmp_path: Path):
     (tmp_path / "b.json").write_text("{}")
     with pytest.raises(OutcomeError, match="share no task"):
         load_outcomes(tmp_path / "a.json", tmp_path / "a.json")
-    with pytest.raises(OutcomeError, match="not a `tierserve eval --json` file"):
+    with pytest.raises(OutcomeError, match="not a `tierserve eval tasks --json` file"):
         load_outcomes(tmp_path / "b.json", tmp_path / "a.json")
 
 

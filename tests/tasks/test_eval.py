@@ -140,6 +140,7 @@ def test_the_eval_command_against_a_live_server(live_server, tmp_path, capsys):
     main(
         [
             "eval",
+            "tasks",
             "--url",
             live_server,
             "--served-model",
@@ -167,6 +168,7 @@ def test_the_eval_command_against_a_live_server(live_server, tmp_path, capsys):
     main(
         [
             "eval",
+            "tasks",
             "--reference",
             "short",
             "--domains",
@@ -183,6 +185,7 @@ def test_the_eval_command_against_a_live_server(live_server, tmp_path, capsys):
         main(
             [
                 "eval",
+                "tasks",
                 "--url",
                 live_server,
                 "--served-model",

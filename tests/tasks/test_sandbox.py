@@ -193,7 +193,7 @@ def test_eval_refuses_rather_than_scoring_zero(
     _no_namespaces(monkeypatch)
     monkeypatch.delenv(ISOLATION_ENV, raising=False)
     with pytest.raises(SystemExit) as exited:
-        cli_main(["eval", "--reference", "short", "--domains", domain, "--n", "1"])
+        cli_main(["eval", "tasks", "--reference", "short", "--domains", domain, "--n", "1"])
     assert exited.value.code == 2
     assert "refusing to run untrusted code" in capsys.readouterr().err
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from training.stages.preference import (
+from training.objectives.preference import (
     Scored,
     brevity,
     code_quality,

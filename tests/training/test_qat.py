@@ -12,8 +12,8 @@ import torch
 from kernels.formats import dequantize, quantize_mxfp4, quantize_nvfp4
 from serving.model.checkpoint import load_checkpoint, quantize_checkpoint
 from serving.model.moe import SparseMoE
+from training.stages.outputs import export
 from training.stages.qat import FakeFP4, disable_qat, enable_qat, served_state_dict
-from training.stages.run import export
 
 
 @pytest.mark.parametrize("format", ["mxfp4", "nvfp4"])

@@ -4,7 +4,7 @@ sampling, the overlong penalty, the k3 KL, and domain weights that follow progre
 import pytest
 import torch
 
-from training.stages.grpo import (
+from training.objectives.grpo import (
     DomainWeights,
     group_advantages,
     informative,

@@ -8,7 +8,7 @@ import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from training.data.datasets import IGNORE
-from training.stages.losses import (
+from training.objectives.losses import (
     distillation_loss_sum,
     load_balancing_loss,
     router_z_loss,

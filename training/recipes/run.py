@@ -33,11 +33,11 @@ from tqdm import tqdm
 from serving.model.checkpoint import load_checkpoint
 from serving.model.tokenizer import Tokenizer
 from tasks import harness
-from training.config import DataConfig, RecipeConfig, load_recipe_config, load_stage_config
+from training.config import DataConfig, RecipeConfig, load_recipe_config
 from training.data.datasets import IGNORE, SFTDataset, build_sft, chat_examples
 from training.data.tokenizer import PAD_TOKEN, save_tokenizer, train_tokenizer
 from training.reports.evaluation import evaluate_checkpoint
-from training.stages.run import run_stage
+from training.stages.run import load_stage_config, run_stage
 
 RECIPES = resources.files("training") / "recipes"
 POST_TRAINING = ("dpo", "rl")  # in this order, each from the one before

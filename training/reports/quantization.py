@@ -4,7 +4,7 @@ quantization`, the PTQ-against-QAT table.
 On held-out SFT turns (training seeds past any run's own, in the reference's style), every
 candidate is scored against the reference on the completion tokens: the mean KL(reference ||
 candidate) of the next-token distributions and the top-1 agreement. Held-out completion comes
-from `tierserve eval --model` on each checkpoint, the other half of the table.
+from `tierserve eval tasks --model` on each checkpoint, the other half of the table.
 """
 
 import tempfile
@@ -20,7 +20,7 @@ from tasks.base import Style
 from training.config import DataConfig
 from training.data.datasets import IGNORE, Batch, SFTDataset, build_sft
 from training.data.tokenizer import PAD_TOKEN
-from training.stages.losses import distillation_loss_sum
+from training.objectives.losses import distillation_loss_sum
 
 # Seeds of the held-out turns: past every run's training seeds and the curriculum's held-out.
 SEED = 3_000_000_000

@@ -1,5 +1,5 @@
 """The DPO stage: preference pairs drawn from the starting model's own samples, scored on
-several objectives, then DPO against that model frozen (training/stages/preference.py).
+several objectives, then DPO against that model frozen (training/objectives/preference.py).
 
 For each training task the `init` model samples several answers (first turns, through our
 engine). Each is scored on its own: correctness (the domain's verifier), format (the chat
@@ -13,7 +13,7 @@ win rate (`OUT/win-rates.md`).
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -31,9 +31,10 @@ from tasks.answers import (
     split_reasoning,
 )
 from tasks.seeds import eval_seed, train_seed
-from training.config import StageConfig
+from training.config import DPOConfig, FromCheckpoint
 from training.data.datasets import IGNORE, Batch, completion_batch
-from training.stages.preference import (
+from training.objectives.losses import LossParts
+from training.objectives.preference import (
     OBJECTIVES,
     Scored,
     brevity,
@@ -43,8 +44,16 @@ from training.stages.preference import (
     dpo_loss,
     preference_pair,
 )
+from training.stages.policy import post_train
 from training.stages.rollouts import Rollout, inference_copy, play
-from training.stages.trainer import EvalFn, LossParts, Trainer
+from training.stages.trainer import EvalFn, Trainer
+
+
+class DPOStage(FromCheckpoint):
+    """`init` is the policy trained and, frozen, the reference of the DPO loss."""
+
+    stage: Literal["dpo"] = "dpo"
+    dpo: DPOConfig = DPOConfig()
 
 
 def objective_scores(rollout: Rollout, style: str, max_tokens: int) -> dict[str, float]:
@@ -82,7 +91,7 @@ def _sample(
     ]
 
 
-def _tasks(config: StageConfig, seeds: list[int]) -> list[Task]:
+def _tasks(config: DPOStage, seeds: list[int]) -> list[Task]:
     names = list(config.data.mix)
     return [
         DOMAINS[names[i % len(names)]].generate(
@@ -92,7 +101,7 @@ def _tasks(config: StageConfig, seeds: list[int]) -> list[Task]:
     ]
 
 
-def build_pairs(config: StageConfig, tokenizer: Tokenizer, path: Path) -> None:
+def build_pairs(config: DPOStage, tokenizer: Tokenizer, path: Path) -> None:
     """Sample, score and pair; store each pair's token ids and the reference's
     log-probabilities of both answers."""
     dpo = config.dpo
@@ -166,7 +175,7 @@ class PairDataset:
         )
 
 
-def dpo_objective(config: StageConfig) -> Any:
+def dpo_objective(config: DPOStage) -> Any:
     dpo = config.dpo
 
     def loss(model: CausalLM, batch: PairBatch) -> LossParts:
@@ -190,7 +199,7 @@ def dpo_objective(config: StageConfig) -> Any:
     return loss
 
 
-def win_rates(config: StageConfig, tokenizer: Tokenizer, before: CausalLM, after: CausalLM) -> str:
+def win_rates(config: DPOStage, tokenizer: Tokenizer, before: CausalLM, after: CausalLM) -> str:
     """Each objective's mean before and after on held-out tasks (greedy answers, as served by
     default), and how often the trained model's answer beats the starting model's (ties
     count half)."""
@@ -224,7 +233,7 @@ def _objective(scores: dict[str, float], name: str, weights: dict[str, float]) -
 class DPOTrainer(Trainer):
     def __init__(
         self,
-        config: StageConfig,
+        config: DPOStage,
         tokenizer: Tokenizer,
         pad_id: int,
         out_dir: Path,
@@ -252,3 +261,9 @@ class DPOTrainer(Trainer):
             (self.out_dir / "win-rates.md").write_text(table + "\n")
             print(f"\nobjective win rates, held-out tasks:\n{table}", flush=True)
         return model
+
+
+def dpo(config: DPOStage, out_dir: Path) -> Path:
+    """DPO on multi-objective pairs from `init`'s own samples, into `out_dir`; returns the
+    exported model directory."""
+    return post_train(config, out_dir, DPOTrainer)

@@ -10,20 +10,35 @@ quantized again, so its served main model is exactly the one evaluated before.
 import json
 import shutil
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import Field
 from safetensors.torch import load_file, save_file
 
 from serving.model import quantization
 from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
 from serving.model.hf_state_dict import to_hf_state_dict
-from training.config import ConfigError
-from training.data.datasets import IGNORE, Batch
-from training.stages.losses import shift_labels, token_loss_sum
-from training.stages.trainer import LossFn, LossParts
+from serving.model.tokenizer import Tokenizer
+from training.config import ConfigError, FromCheckpoint
+from training.data.datasets import IGNORE, Batch, SFTDataset
+from training.objectives.losses import LossFn, LossParts, shift_labels, token_loss_sum
+from training.stages.outputs import begin, finish, pad_id
+from training.stages.sft import sft_data
+from training.stages.trainer import Trainer
 
 MTP_PREFIX = "mtp."
+
+
+class MTPStage(FromCheckpoint):
+    """`init` is the target whose head is trained."""
+
+    stage: Literal["mtp"] = "mtp"
+    draft_data: Literal["reference", "target"] = "reference"
+    # the drafts a step chains the head for when serving (`num_speculative_tokens`), each
+    # depth trained; the first of them alone is what a one-layer head was trained for
+    mtp_depths: int = Field(1, ge=1)
 
 
 def load_for_mtp(init: str) -> CausalLM:
@@ -80,3 +95,20 @@ def export_mtp(model: CausalLM, init: str, out: Path) -> Path:
         raise ConfigError(f"the trained MTP head's tensors do not match {init}'s")
     save_file(tensors | head, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+def train_mtp(config: MTPStage, out_dir: Path) -> Path:
+    """Train `init`'s MTP head alone into `out_dir`; returns `init` with the new head."""
+    out_dir = begin(config, out_dir)
+    tokenizer = Tokenizer.from_dir(config.init)
+    path = sft_data(config, tokenizer, out_dir, distil=False, draft_data=config.draft_data)
+    trainer = Trainer(
+        load_for_mtp(config.init),
+        config.train,
+        SFTDataset(path, pad_id(tokenizer)),
+        out_dir,
+        mtp_loss(config.mtp_depths),
+        None,
+        desc="mtp",
+    )
+    return finish(trainer, config, out_dir, lambda m, final: export_mtp(m, config.init, final))

@@ -1,6 +1,6 @@
 """The RL stage: each step samples tasks, plays groups of episodes with the current policy
 through our engine, and takes one optimizer step on the GRPO / DAPO objective
-(training/stages/grpo.py).
+(training/objectives/grpo.py).
 
 Tasks come from the training seed range, their domains drawn by `DomainWeights` (learning
 progress, or the fixed mix as a baseline) and their difficulties from the data config, all
@@ -14,7 +14,7 @@ step's completion tokens (DAPO's token-level loss).
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -24,9 +24,9 @@ from serving.model.checkpoint import load_checkpoint
 from serving.model.tokenizer import Tokenizer
 from tasks import DOMAINS, Task
 from tasks.seeds import train_seed
-from training.config import StageConfig
+from training.config import FromCheckpoint, RLConfig
 from training.data.datasets import IGNORE, Batch, completion_batch
-from training.stages.grpo import (
+from training.objectives.grpo import (
     DomainWeights,
     group_advantages,
     informative,
@@ -34,9 +34,17 @@ from training.stages.grpo import (
     overlong_penalty,
     policy_loss_sum,
 )
-from training.stages.losses import token_losses
+from training.objectives.losses import LossParts, token_losses
+from training.stages.policy import post_train
 from training.stages.rollouts import Rollout, inference_copy, play
-from training.stages.trainer import EvalFn, LossParts, Trainer
+from training.stages.trainer import EvalFn, Trainer
+
+
+class RLStage(FromCheckpoint):
+    """`init` is the policy trained (and, with a KL term, the frozen reference)."""
+
+    stage: Literal["rl"] = "rl"
+    rl: RLConfig = RLConfig()
 
 
 class RLBatch(Batch):
@@ -63,7 +71,7 @@ def label_logprobs(model: CausalLM, batch: Batch) -> tuple[torch.Tensor, torch.T
     return -token_losses(logits, batch.labels), logits
 
 
-def rl_loss(config: StageConfig) -> Any:
+def rl_loss(config: RLStage) -> Any:
     rl = config.rl
 
     def loss(model: CausalLM, batch: RLBatch) -> LossParts:
@@ -114,7 +122,7 @@ def collate(rows: list[Row], pad_id: int) -> tuple[Batch, torch.Tensor, torch.Te
 class RLTrainer(Trainer):
     def __init__(
         self,
-        config: StageConfig,
+        config: RLStage,
         tokenizer: Tokenizer,
         pad_id: int,
         out_dir: Path,
@@ -217,3 +225,8 @@ class RLTrainer(Trainer):
     def train_step(self, step: int) -> dict[str, float]:
         row = super().train_step(step)
         return row | self.step_stats
+
+
+def rl(config: RLStage, out_dir: Path) -> Path:
+    """GRPO on the verifiers' rewards, into `out_dir`; returns the exported model directory."""
+    return post_train(config, out_dir, RLTrainer)

@@ -24,7 +24,6 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,6 +34,7 @@ from tqdm import tqdm
 from serving.model.causal_lm import CausalLM
 from training.config import TrainConfig
 from training.data.datasets import Batch, SampleOrder
+from training.objectives.losses import LossFn
 from training.reports.curves import plot_curves
 from training.stages import checkpointing
 
@@ -53,15 +53,6 @@ class Sampler(Protocol):
     def annotate(self, row: dict[str, Any]) -> None: ...
 
 
-@dataclass
-class LossParts:
-    token_sum: torch.Tensor  # the objective summed over target tokens: normalised here
-    ce_sum: torch.Tensor  # the plain next-token cross-entropy, summed: logged as `ce`
-    extra: torch.Tensor  # already a mean (router losses): added as is
-    metrics: dict[str, float] = field(default_factory=dict)  # summed over micro-batches
-
-
-LossFn = Callable[[CausalLM, Batch], LossParts]
 EvalFn = Callable[[CausalLM, int], dict[str, float]]  # (model, step) -> completion rates
 
 

@@ -8,7 +8,7 @@ from serving.model.config import ModelConfig
 from tests.tiny_models import TINY_MOE
 from training.config import TrainConfig
 from training.data.datasets import completion_batch
-from training.stages.run import lm_loss
+from training.objectives.lm_loss import lm_loss
 
 
 def test_copy_positions_weigh_copy_weight_times() -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from serving.model.tokenizer import Tokenizer
-from training.config import ConfigError, DataConfig, load_stage_config
+from training.config import ConfigError, DataConfig
 from training.data.datasets import (
     BUILD_THREADS,
     IGNORE,
@@ -24,6 +24,8 @@ from training.data.datasets import (
     pretrain_text,
 )
 from training.data.tokenizer import PAD_TOKEN
+from training.stages.run import load_stage_config
+from training.stages.sft import SFTStage
 
 MIX = {"math": 1.0, "terminal": 1.0, "tools": 1.0}
 
@@ -117,9 +119,26 @@ def test_stage_config_errors_are_clear(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="step"):
         load_stage_config(bad)
     with pytest.raises(ConfigError, match="unknown domains"):
-        load_stage_config(None, ['data.mix={"poetry" = 1.0}'], stage="sft")
-    config = load_stage_config(None, ["train.steps=7", "style=short"], stage="sft")
-    assert config.train.steps == 7 and config.style == "short"
+        load_stage_config(None, ['data.mix={"poetry" = 1.0}'], stage="sft", init="m")
+    config = load_stage_config(None, ["train.steps=7", "style=short"], stage="sft", init="m")
+    assert isinstance(config, SFTStage)
+    assert config.train.steps == 7 and config.style == "short" and config.init == "m"
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"stage": "sft"}, r"sft\.init\n  Field required"),
+        ({"stage": "pretrain", "tokenizer": "t"}, r"pretrain\.shape\n  Field required"),
+        ({"stage": "rl", "init": "m", "keep_layers": [0]}, r"rl\.keep_layers\n  Extra inputs"),
+        ({"stage": "draft", "init": "m", "shape": {}, "qat": {}}, r"draft\.qat\n  Extra inputs"),
+        ({"stage": "sft", "init": "m", "teacher": "t"}, "distils a think-style model"),
+        ({"stage": "finetune"}, "does not match any of the expected tags"),
+    ],
+)
+def test_each_stage_takes_its_own_fields_only(fields: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_stage_config(None, **fields)
 
 
 def test_data_built_in_threads_are_the_data_built_one_at_a_time(monkeypatch) -> None:

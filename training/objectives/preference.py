@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from training.data.datasets import IGNORE
-from training.stages.losses import token_losses
+from training.objectives.losses import token_losses
 
 DPOLoss = Literal["sigmoid", "ipo"]
 OBJECTIVES = ("correctness", "format", "brevity", "quality")

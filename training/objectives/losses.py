@@ -5,10 +5,25 @@ tokens in the whole global batch (all micro-batches, all processes), so the grad
 not depend on how a batch was split into micro-batches or processes.
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
-from training.data.datasets import IGNORE
+from serving.model.causal_lm import CausalLM
+from training.data.datasets import IGNORE, Batch
+
+
+@dataclass
+class LossParts:
+    token_sum: torch.Tensor  # the objective summed over target tokens: normalised here
+    ce_sum: torch.Tensor  # the plain next-token cross-entropy, summed: logged as `ce`
+    extra: torch.Tensor  # already a mean (router losses): added as is
+    metrics: dict[str, float] = field(default_factory=dict)  # summed over micro-batches
+
+
+LossFn = Callable[[CausalLM, Batch], LossParts]
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

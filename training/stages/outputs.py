@@ -1,0 +1,91 @@
+"""What every stage does around its training loop: a run directory that records its config,
+data built once by rank 0, the model exported as a Hugging Face directory, a summary.
+
+Rerunning a stage's command with the same `--out` resumes it: the data files are kept, the
+trainer restarts from its last checkpoint (`checkpointing.py`).
+"""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from serving.model.causal_lm import CausalLM
+from serving.model.checkpoint import save_checkpoint
+from serving.model.config import ModelConfig
+from serving.model.tokenizer import Tokenizer
+from training.config import StageBase
+from training.data.tokenizer import EOS_TOKEN, PAD_TOKEN
+from training.stages.qat import served_state_dict
+from training.stages.trainer import Trainer, init_distributed
+
+
+def begin(config: StageBase, out_dir: Path) -> Path:
+    """Join the process group and write the stage's resolved config beside its outputs."""
+    init_distributed()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "stage.json").write_text(config.model_dump_json(indent=2) + "\n")
+    return out_dir
+
+
+def build_once(path: Path, build: Callable[[], object]) -> Path:
+    """Rank 0 builds the data file if it is not there yet; the others wait for it."""
+    if dist.get_rank() == 0 and not path.exists():
+        build()
+    dist.barrier()
+    return path
+
+
+def pad_id(tokenizer: Tokenizer) -> int:
+    return tokenizer.raw.token_to_id(PAD_TOKEN)
+
+
+def new_model(shape: dict, tokenizer: Tokenizer, mtp: bool, seed: int) -> CausalLM:
+    """A model of `shape` (config.json fields) with random weights, sized to `tokenizer`."""
+    raw = dict(shape)
+    raw["vocab_size"] = tokenizer.vocab_size
+    raw["eos_token_id"] = tokenizer.raw.token_to_id(EOS_TOKEN)
+    raw["pad_token_id"] = pad_id(tokenizer)
+    if mtp:
+        raw["tierserve_mtp"] = {"num_layers": 1}
+    torch.manual_seed(seed)
+    model = CausalLM(ModelConfig.from_dict(raw))
+    model.init_weights()
+    return model
+
+
+def export(model: CausalLM, out: Path, tokenizer_dir: Path, dtype: torch.dtype) -> Path:
+    """A standalone Hugging Face directory of `model` in `dtype` (DeepSpeed's module may hold
+    its parameters in another dtype and carry hooks, so the weights are copied out)."""
+    fresh = CausalLM(model.config)
+    state = {k: v.detach().to(dtype).clone() for k, v in served_state_dict(model).items()}
+    fresh.load_state_dict(state)
+    fresh.to(dtype)
+    save_checkpoint(fresh, out, tokenizer_dir)  # generation_config from the model's config
+    return out
+
+
+def bf16_export(tokenizer_dir: Path) -> Callable[[CausalLM, Path], Path]:
+    """The `write` of `finish` for the stages whose model ships in bf16 as trained."""
+    return lambda model, final: export(model, final, tokenizer_dir, torch.bfloat16)
+
+
+def finish(
+    trainer: Trainer, config: StageBase, out_dir: Path, write: Callable[[CausalLM, Path], object]
+) -> Path:
+    """Train to the end, then rank 0 writes the model with `write` and the summary."""
+    model = trainer.fit()
+    final = out_dir / "model"
+    if dist.get_rank() == 0:
+        write(model, final)
+        summary = {
+            "stage": trainer.desc,
+            "style": getattr(config, "style", None),
+            "log_tail": trainer.log[-1],
+        }
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    dist.barrier()
+    return final

@@ -1,0 +1,32 @@
+"""The frame the post-training stages (DPO, RL) share: the policy is `init`, evaluated on
+held-out tasks as it trains, and ships in bf16 like the model it came from."""
+
+from pathlib import Path
+from typing import Protocol
+
+from serving.model.tokenizer import Tokenizer
+from training.config import FromCheckpoint
+from training.stages.heldout import harness_eval
+from training.stages.outputs import begin, bf16_export, finish, pad_id
+from training.stages.trainer import EvalFn, Trainer
+
+
+class PolicyTrainer(Protocol):
+    def __call__(
+        self,
+        config: FromCheckpoint,
+        tokenizer: Tokenizer,
+        pad_id: int,
+        out_dir: Path,
+        evaluate: EvalFn | None,
+    ) -> Trainer: ...
+
+
+def post_train(config: FromCheckpoint, out_dir: Path, trainer: PolicyTrainer) -> Path:
+    """Post-train `init` into `out_dir` with `trainer`; returns the exported model directory."""
+    out_dir = begin(config, out_dir)
+    tok_dir = Path(config.init)
+    tokenizer = Tokenizer.from_dir(tok_dir)
+    evaluate = harness_eval(out_dir, tok_dir, config.train, list(config.data.mix))
+    run = trainer(config, tokenizer, pad_id(tokenizer), out_dir, evaluate)
+    return finish(run, config, out_dir, bf16_export(tok_dir))
