@@ -36,7 +36,7 @@ from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
 from serving.model.dtype import DTYPES
 from serving.model.host_threads import build_off_thread
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 
 PROMPT_TOKENS = 128
 REQUESTS_PER_STREAM = 2

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
 from serving.model.dtype import DTYPES
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 from training.data.tokenizer import save_tokenizer, train_tokenizer
 from training.stages.init_checkpoint import read_shape, stdlib_corpus
 

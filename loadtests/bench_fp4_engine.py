@@ -30,7 +30,7 @@ from bench_engine import build_checkpoint, make_prompts
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint, quantize_checkpoint
 from serving.model.config import ModelConfig
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 
 VARIANTS = {  # name: (format, all_linear), None for the unquantized checkpoint
     "fp32": None,

@@ -27,7 +27,7 @@ import transformers
 from tqdm import tqdm
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 from tasks import DOMAINS
 from tasks.seeds import train_seed
 

@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.paged import TokenSpan
-from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import Tokenizer
+from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig
 from tasks import DOMAINS
 from tasks.seeds import EVAL_SEED_BASE

@@ -40,8 +40,8 @@ from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
 from serving.model.config import ModelConfig
 from serving.model.moe import SparseMoE, grouped_experts, route
-from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import Tokenizer
+from serving.sampling.params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 # HBM bandwidth from the vendors' data sheets (bytes/s), matched against the device name.

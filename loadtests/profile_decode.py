@@ -20,7 +20,7 @@ from loadtests.bench_engine import build_checkpoint, make_prompts
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
 from serving.model.dtype import DTYPES
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 
 
 def decode_engine(path: Path, dtype: str, streams: int, steps: int, eager: bool) -> LLMEngine:

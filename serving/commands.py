@@ -20,8 +20,8 @@ from serving.model.checkpoint import sampling_defaults
 from serving.model.config import CheckpointError
 from serving.model.device import DEVICE_CHOICES, UnsupportedDeviceError
 from serving.model.dtype import DTYPE_CHOICES, UnsupportedDtypeError
-from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import TokenizerError
+from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig
 
 USER_ERRORS = (

@@ -15,8 +15,8 @@ import torch
 
 from serving.model.checkpoint import load_checkpoint
 from serving.model.paged import PagedModel, TokenSpan
+from serving.sampling.rejection import draw, processed_probs
 from speculative.proposer import BlockAllocator, DraftSequence, TargetStep
-from speculative.verify import draw, processed_probs
 
 
 def propose_tokens(

@@ -5,7 +5,7 @@ from typing import Protocol
 
 import torch
 
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 
 
 class DraftSequence(Protocol):

@@ -14,7 +14,7 @@ from pydantic import (
     model_validator,
 )
 
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]

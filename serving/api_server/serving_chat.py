@@ -43,8 +43,8 @@ from serving.api_server.serving_engine import (
 )
 from serving.engine.llm_engine import EngineRequest
 from serving.model.chat_format import ReasoningStream
-from serving.model.sampling import TokenLogprob
 from serving.model.tool_calls import ToolCallStream
+from serving.sampling.params import TokenLogprob
 from tasks.answers import THINK_START, parse_tool_calls, split_reasoning
 
 

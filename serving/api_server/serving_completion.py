@@ -33,7 +33,7 @@ from serving.api_server.serving_engine import (
     usage_info,
 )
 from serving.engine.llm_engine import EngineRequest
-from serving.model.sampling import TokenLogprob
+from serving.sampling.params import TokenLogprob
 from speculative.counts import SpecCounts
 
 

@@ -29,8 +29,8 @@ from serving.engine.llm_engine import (
     RequestOutput,
     SequenceOutput,
 )
-from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import ChatTemplateError, Tokenizer
+from serving.sampling.params import SamplingParams
 from speculative.counts import SpecCounts
 
 T = TypeVar("T")

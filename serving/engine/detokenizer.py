@@ -2,7 +2,7 @@
 
 import tokenizers
 
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 
 # Prompt tokens decoded ahead of the output, so the first output token decodes in context
 # (leading spaces, merges across the boundary), as vLLM does.

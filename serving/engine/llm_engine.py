@@ -25,8 +25,8 @@ from serving.model.dtype import resolve_kv_cache_dtype
 from serving.model.host_memory import retain_freed_memory
 from serving.model.host_threads import TorchThreads
 from serving.model.paged import kv_bytes_per_block
-from serving.model.sampling import SamplingParams, TokenLogprob
 from serving.model.tokenizer import Tokenizer
+from serving.sampling.params import SamplingParams, TokenLogprob
 from speculative.config import SpeculativeConfig
 from speculative.counts import SpecCounts
 from speculative.draft_model import DraftModelProposer

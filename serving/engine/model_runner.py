@@ -7,12 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from serving.engine.cuda_graphs import CUDAGraphs
-from serving.engine.sampler import Sampler, SamplingRow
 from serving.engine.sequence import Sequence
 from serving.model.causal_lm import CausalLM
 from serving.model.paged import PagedModel, TokenSpan
-from serving.model.sampling import TokenLogprob
-from speculative.verify import token_logprobs, verify_drafts
+from serving.sampling.logprobs import token_logprobs
+from serving.sampling.params import SamplingRow, TokenLogprob
+from serving.sampling.rejection import verify_drafts
+from serving.sampling.sampler import Sampler
 
 
 @dataclass
@@ -88,12 +89,10 @@ class ModelRunner(PagedModel):
                 for s in rows
             ],
         )
-        out = []
-        for i, seq in enumerate(rows):
-            token, lp, top = result.token_ids[i], result.logprobs[i], result.top_logprobs[i]
-            lps = [TokenLogprob(token, lp, top)] if lp is not None else []
-            out.append(SampledTokens(seq, [token], lps))
-        return out
+        return [
+            SampledTokens(seq, [token], [lp] if lp is not None else [])
+            for seq, token, lp in zip(rows, result.token_ids, result.logprobs, strict=True)
+        ]
 
     def _verify(self, seq: Sequence, hidden: torch.Tensor) -> SampledTokens:
         """The target's logits at the last token and every draft decide what is kept."""
@@ -117,18 +116,9 @@ class ModelRunner(PagedModel):
         hi = min(start + n + 1, seq.num_prompt_tokens)
         if hi <= lo:
             return
-        logprobs = self.model.compute_logits(hidden[lo - 1 - start : hi - 1 - start]).log_softmax(
-            -1
-        )
-        targets = self._tensor(seq.token_ids[lo:hi])
-        chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
-        k = seq.params.prompt_logprobs
-        top = logprobs.topk(k, dim=-1) if k else None
-        for i, (tok, lp) in enumerate(zip(targets.tolist(), chosen, strict=True)):
-            pairs = None
-            if top is not None:
-                pairs = list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
-            seq.prompt_logprobs.append(TokenLogprob(tok, lp, pairs))
+        logits = self.model.compute_logits(hidden[lo - 1 - start : hi - 1 - start])
+        targets = seq.token_ids[lo:hi]
+        seq.prompt_logprobs += token_logprobs(logits, targets, seq.params.prompt_logprobs or 0)
 
 
 def _span(seq: Sequence, n: int) -> TokenSpan:

@@ -3,7 +3,7 @@ the whole answer (vLLM's `RequestOutput` and `CompletionOutput`)."""
 
 from dataclasses import dataclass, field
 
-from serving.model.sampling import TokenLogprob
+from serving.sampling.params import TokenLogprob
 from speculative.counts import SpecCounts
 
 

@@ -9,7 +9,7 @@ import torch
 
 from serving.engine.json_constraint import JsonObjectConstraint
 from serving.model.device import CPU
-from serving.model.sampling import SamplingParams, TokenLogprob
+from serving.sampling.params import SamplingParams, TokenLogprob
 from speculative.counts import SpecCounts
 
 _ids = itertools.count()

@@ -9,7 +9,7 @@ import torch
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.config import ModelConfig
 from serving.model.paged import kv_bytes_per_block
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig
 from speculative.speculator import StepCost, best_lookahead
 from tests import REPO

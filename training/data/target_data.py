@@ -13,7 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 from training.data.datasets import write_atomic
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine
 from serving.model.causal_lm import CausalLM
-from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import Tokenizer
+from serving.sampling.params import SamplingParams
 from tasks import Domain, Episode, Task
 
 

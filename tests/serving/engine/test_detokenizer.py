@@ -7,7 +7,7 @@ import pytest
 import tokenizers
 
 from serving.engine.detokenizer import IncrementalDetokenizer
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 
 PROMPT = "<|im_start|>héllo wörld, 日本語 please:"
 WORDS = ["the", "quick", "héllo", "wörld", "日本語", "😀", "🦀", "𝄞", "東京", "naïve", "END", "EN"]

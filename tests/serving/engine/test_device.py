@@ -20,7 +20,7 @@ from serving.gateway.config import GatewayConfig, GatewayConfigError, check_chec
 from serving.gateway.supervisor import engine_command
 from serving.model.device import UnsupportedDeviceError, kv_cache_budget, resolve_device
 from serving.model.dtype import UnsupportedDtypeError, resolve_dtype
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig
 from tests import REPO
 

@@ -6,7 +6,7 @@ import torch
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
 from serving.model.paged import kv_bytes_per_block
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
 
 transformers = pytest.importorskip("transformers")

@@ -5,7 +5,7 @@ import torch
 
 from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine
 from serving.model.checkpoint import load_checkpoint
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
 
 VOCAB = TINY_MOE["vocab_size"]

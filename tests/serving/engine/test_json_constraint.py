@@ -16,11 +16,11 @@ from serving.engine.json_constraint import JsonObjectConstraint
 from serving.engine.json_validator import MAX_WHITESPACE, JsonValidator
 from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine
 from serving.engine.outputs import SequenceOutput
-from serving.engine.sampler import Sampler, SamplingRow
 from serving.engine.token_vocabulary import json_vocabulary
 from serving.model.causal_lm import CausalLM
 from serving.model.config import ModelConfig
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams, SamplingRow
+from serving.sampling.sampler import Sampler
 from tests.serving.engine.test_json_validator import is_json_object
 from tests.tiny_models import TINY_MOE
 
@@ -191,7 +191,7 @@ def test_greedy_takes_the_best_allowed_token_and_logprobs_stay_raw(tiny):
             row = SamplingRow(SamplingParams(temperature=0.0, **kw), [1], [], None, c)
             result = sampler(logits, [row])
             assert result.token_ids == [best]
-        assert result.logprobs[0] == pytest.approx(float(logits[0].log_softmax(-1)[best]))
+        assert result.logprobs[0].logprob == pytest.approx(float(logits[0].log_softmax(-1)[best]))
 
 
 def test_seeded_constrained_rows_do_not_depend_on_the_batch(tiny):

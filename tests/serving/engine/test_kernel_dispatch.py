@@ -21,7 +21,7 @@ from serving.cli import main
 from serving.engine import cuda_graphs
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only checks")

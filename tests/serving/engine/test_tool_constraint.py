@@ -20,8 +20,8 @@ from serving.engine.tool_constraint import (
     ToolCallValidator,
     call_head,
 )
-from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import Tokenizer
+from serving.sampling.params import SamplingParams
 from tasks.answers import parse_tool_calls
 from tests import REPO
 

@@ -15,7 +15,7 @@ from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint, quantize_checkpoint, save_checkpoint
 from serving.model.decode_graphs import graph_sizes
 from serving.model.paged import TokenSpan
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig
 from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
 

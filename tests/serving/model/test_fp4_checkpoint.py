@@ -20,8 +20,8 @@ from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import TOKENIZER_FILES, load_checkpoint, quantize_checkpoint
 from serving.model.config import CheckpointError
 from serving.model.quantization import quantize_state_dict
-from serving.model.sampling import SamplingParams
 from serving.model.tokenizer import Tokenizer
+from serving.sampling.params import SamplingParams
 from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
 
 FORMATS = ["mxfp4", "nvfp4"]

@@ -9,7 +9,7 @@ import pytest
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
 from training.data.target_data import target_completions
 
 

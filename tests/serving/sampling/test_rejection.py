@@ -8,10 +8,10 @@ import torch
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
-from serving.model.sampling import SamplingParams
+from serving.sampling.params import SamplingParams
+from serving.sampling.rejection import processed_probs, verify_drafts
 from speculative import speculator
 from speculative.config import SpeculativeConfig
-from speculative.verify import processed_probs, verify_drafts
 
 VOCAB = 5
 PROMPT = [1, 2, 3]

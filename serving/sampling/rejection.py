@@ -16,7 +16,8 @@ p without x.
 
 import torch
 
-from serving.model.sampling import SamplingParams, TokenLogprob, filter_logits
+from serving.sampling.filters import filter_logits
+from serving.sampling.params import SamplingParams
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -68,18 +69,3 @@ def verify_drafts(
     if residual.sum() <= 0:  # p == q up to rounding: then x was kept with probability 1
         residual = p[n]
     return [*draft_ids[:n], int(draw(residual[None], generator))]
-
-
-def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
-    """Logprobs of the raw distribution for `tokens[i]` at row i, with the top k of each row."""
-    logprobs = logits.float().log_softmax(dim=-1)
-    rows = torch.arange(len(tokens), device=logits.device)
-    chosen = logprobs[rows, torch.tensor(tokens, device=logits.device)].tolist()
-    top = logprobs.topk(min(k, logprobs.shape[1]), dim=-1) if k else None
-    out = []
-    for i, (token, lp) in enumerate(zip(tokens, chosen, strict=True)):
-        pairs = None
-        if top is not None:
-            pairs = list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
-        out.append(TokenLogprob(token, lp, pairs))
-    return out

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from serving.engine.sampler import Sampler, SamplingRow, apply_penalties
-from serving.model.sampling import SamplingParams
+from serving.sampling.filters import apply_penalties
+from serving.sampling.params import SamplingParams, SamplingRow
+from serving.sampling.sampler import Sampler
 
 V = 32
 
@@ -25,7 +26,7 @@ def test_all_greedy_is_one_argmax():
     logits = random_logits(8)
     result = Sampler(V, [0])(logits, [row(temperature=0) for _ in range(8)])
     assert result.token_ids == logits.argmax(-1).tolist()
-    assert result.logprobs == [None] * 8 and result.top_logprobs == [None] * 8
+    assert result.logprobs == [None] * 8
 
 
 def test_greedy_rows_in_a_mixed_batch_take_the_argmax():
@@ -158,15 +159,16 @@ def test_logprobs_are_the_raw_log_softmax_with_sorted_top_k():
     result = Sampler(V, [0])(logits, rows)
     expected = torch.log_softmax(logits, dim=-1)
     for i, k in enumerate([5, 0, None, 3]):
+        lp = result.logprobs[i]
         if k is None:
-            assert result.logprobs[i] is None and result.top_logprobs[i] is None
+            assert lp is None
             continue
-        chosen = expected[i, result.token_ids[i]].item()
-        assert math.isclose(result.logprobs[i], chosen, abs_tol=1e-5)
+        assert lp.token_id == result.token_ids[i]
+        assert math.isclose(lp.logprob, expected[i, result.token_ids[i]].item(), abs_tol=1e-5)
         if k == 0:
-            assert result.top_logprobs[i] is None
+            assert lp.top is None
             continue
-        top = result.top_logprobs[i]
+        top = lp.top
         assert [t for t, _ in top] == expected[i].topk(k).indices.tolist()
         assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
         assert all(math.isclose(lp, expected[i, t].item(), abs_tol=1e-5) for t, lp in top)

@@ -5,8 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.engine.json_constraint import JsonObjectConstraint
-from serving.model.sampling import SamplingParams, filter_logits, per_row
+from serving.sampling.filters import apply_penalties, filter_logits, mask_min_tokens, per_row
+from serving.sampling.logprobs import token_logprobs
+from serving.sampling.params import SamplingParams, SamplingRow, TokenLogprob
 
 # Greedy rows in a mixed batch go through the sampling ops with filters off; their
 # sampled token is then replaced by the argmax.
@@ -16,21 +17,9 @@ _REJECTION_TRIES = 8
 
 
 @dataclass
-class SamplingRow:
-    """One row of the batch: one sequence being decoded."""
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated so far, before this step
-    generator: torch.Generator | None = None  # set when params.seed is not None
-    constraint: JsonObjectConstraint | None = None  # the tokens it may take (json_object)
-
-
-@dataclass
 class SampleResult:
     token_ids: list[int]  # one per row
-    logprobs: list[float | None]  # chosen token's logprob; None where params.logprobs is None
-    top_logprobs: list[list[tuple[int, float]] | None]  # (id, logprob), best first; None if k=0
+    logprobs: list[TokenLogprob | None]  # None where params.logprobs is None
 
 
 class Sampler:
@@ -69,61 +58,17 @@ class Sampler:
             if rejected:
                 raw = logits[rejected].float()
                 _apply_constraints(token_ids, raw, raw, rows, rejected)
-            return SampleResult(token_ids, [None] * n, [None] * n)
+            return SampleResult(token_ids, [None] * n)
         raw = logits.float()
         processed = raw.clone()
         apply_penalties(processed, rows)
-        self._apply_min_tokens(processed, rows)
+        mask_min_tokens(processed, rows, self.eos_token_ids)
         if not constrained:
             return _result(raw, _sample(processed, rows), rows)
         kept = processed[constrained]  # a copy: _sample works in place
         token_ids = _sample(processed, rows).tolist()
         _apply_constraints(token_ids, kept, raw[constrained], rows, constrained)
         return _result(raw, torch.tensor(token_ids, device=raw.device), rows)
-
-    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        """Masks EOS and stop_token_ids of rows that have not produced min_tokens yet."""
-        row_idx: list[int] = []
-        col_idx: list[int] = []
-        for i, row in enumerate(rows):
-            if len(row.output_token_ids) < row.params.min_tokens:
-                banned = [*self.eos_token_ids, *row.params.stop_token_ids]
-                row_idx += [i] * len(banned)
-                col_idx += banned
-        if row_idx:
-            logits[row_idx, col_idx] = -math.inf
-
-
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Applies repetition, frequency and presence penalties in place, batched over the rows
-    that use any.
-
-    Repetition (HF/vLLM): logits of tokens seen in prompt or output are divided by the
-    penalty if positive, multiplied if not. Frequency and presence (OpenAI): subtract
-    `frequency * count + presence * (count > 0)` over the output tokens only.
-    """
-    idx = [i for i, row in enumerate(rows) if row.params.uses_penalties]
-    if not idx:
-        return
-    picked = [rows[i] for i in idx]
-    counts = _count_rows([row.output_token_ids for row in picked], logits)
-    in_output = counts > 0
-    seen = (_count_rows([row.prompt_token_ids for row in picked], logits) > 0) | in_output
-    repetition = per_row([row.params.repetition_penalty for row in picked], logits)
-    frequency = per_row([row.params.frequency_penalty for row in picked], logits)
-    presence = per_row([row.params.presence_penalty for row in picked], logits)
-    x = logits[idx]
-    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
-    logits[idx] = x - frequency * counts - presence * in_output
-
-
-def _count_rows(seqs: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
-    """Per-row token counts [len(seqs), V]; pads with V into a spare column that is dropped."""
-    vocab = logits.shape[1]
-    width = max(1, *map(len, seqs))
-    ids = torch.tensor([s + [vocab] * (width - len(s)) for s in seqs], device=logits.device)
-    counts = torch.zeros(len(seqs), vocab + 1, dtype=logits.dtype, device=logits.device)
-    return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))[:, :vocab]
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
@@ -259,20 +204,12 @@ def _draw(
 
 def _result(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     """Packs token ids with the requested logprobs of the raw distribution."""
-    n = len(rows)
-    wanted = [row.params.logprobs for row in rows]
-    if all(w is None for w in wanted):
-        return SampleResult(token_ids.tolist(), [None] * n, [None] * n)
-    logprobs = raw.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
-    k = min(max(w or 0 for w in wanted), logprobs.shape[1])
-    top = logprobs.topk(k, dim=-1)  # sorted, best first
-    top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-    return SampleResult(
-        token_ids=token_ids.tolist(),
-        logprobs=[c if w is not None else None for c, w in zip(chosen, wanted, strict=True)],
-        top_logprobs=[
-            list(zip(top_ids[i][:w], top_vals[i][:w], strict=True)) if w else None
-            for i, w in enumerate(wanted)
-        ],
-    )
+    tokens = token_ids.tolist()
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    logprobs: list[TokenLogprob | None] = [None] * len(rows)
+    if wanted:
+        ks = [rows[i].params.logprobs or 0 for i in wanted]
+        packed = token_logprobs(raw[wanted], [tokens[i] for i in wanted], ks)
+        for i, lp in zip(wanted, packed, strict=True):
+            logprobs[i] = lp
+    return SampleResult(tokens, logprobs)
