@@ -179,6 +179,37 @@ def test_a_wrong_flag_fails(parser):
     ]
 
 
+def test_stage_commands_configs_validate(parser):
+    """A documented `tierserve train STAGE --config F --set k=v` names real config fields, and
+    `tierserve train recipe NAME` a real recipe."""
+    from training.commands import run_recipe_command, run_stage_command
+    from training.recipes.run import recipe_dir
+    from training.stages.run import load_stage_config
+
+    checked, errors = 0, []
+    for where, line, argv, partial in COMMANDS:
+        if partial or ELLIPSIS in argv:
+            continue
+        args = parser.parse_args(argv)
+        try:
+            if args.run is run_stage_command:
+                fields = {"stage": args.stage}
+                for key in ("init", "style", "tokenizer"):
+                    if getattr(args, key, None) is not None:
+                        fields[key] = str(getattr(args, key))
+                config = ROOT / args.config if args.config else None
+                load_stage_config(config, args.set, **fields)
+            elif args.run is run_recipe_command:
+                recipe_dir(args.name)
+            else:
+                continue
+        except ValueError as e:
+            errors.append(f"{where}: `{line}`: {e}")
+        checked += 1
+    assert not errors, "\n".join(errors)
+    assert checked >= 5
+
+
 def gateway_configs() -> list[tuple[str, str]]:
     """YAML blocks that say they are a gateway config (first line `# gateway.yaml`)."""
     return [
