@@ -208,7 +208,7 @@ def call_note(tool: dict, arguments: dict[str, Any], request: str) -> str:
     schema's words, and each argument in the order the request gives them, so the copying
     moves forward through the request. Meant for demo-full writing passengers "four" for
     "three people" and cabin "business" for "first class", which the request gives first;
-    measured, it did not fix that (`full16` writes the new order with the same wrong values)."""
+    measured, it did not fix that (the model writes the new order with the same wrong values)."""
     name, description = tool["function"]["name"], tool["function"]["description"].rstrip(".")
     stated = [_value(key, value, request) for key, value in arguments.items()]
     values = ", ".join(note for note, _ in sorted(stated, key=lambda item: item[1]))

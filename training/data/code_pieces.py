@@ -8,8 +8,8 @@ demo-full copied the single characters and dropped or swapped the merged pieces
 piece turns up in a handful of training codes at most, too rarely to learn to copy it, so a
 share of the training chains get a code of the same form built largely from those pieces.
 The held-out tasks keep the generators' codes.
-Measured, it did not fix the copying: `full16` (70% of its chains so) and `full17` (all)
-still miscopy half the held-out difficulty-3 codes, now as other merged pieces; drills that
+Measured, it did not fix the copying: models trained with 70% and with all of their chains
+so still miscopy half the held-out difficulty-3 codes, now as other merged pieces; drills that
 train the copy in a short context (`training.data.copy_drills`) did fix it.
 """
 

@@ -9,8 +9,8 @@ and its result leaves the same 10 of 20 codes miscopied. So a drill is that cut 
 (350-450 tokens, a fifth of a chain's three turns) with a code built largely from merged
 pieces (`training.data.code_pieces`), trained on the turn that copies it twice, into the
 reasoning and into the answer.
-Measured: 400 steps from that model with 40% drills (`full18`) raised those pieces to
-0.04-0.77 and the held-out chains from 50% to 95%; 300 more with 25% (`full19`) to 100%.
+Measured: 400 SFT steps from that model with 40% drills raised those pieces to 0.04-0.77 and
+the held-out chains from 50% to 95%; 300 more with 25% drills to 100%.
 """
 
 import dataclasses

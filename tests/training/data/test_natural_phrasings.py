@@ -5,7 +5,7 @@ and scored by the domains' verifiers: math by the final integer, code by hidden 
 sandbox, terminal by the final file tree (a held-out task whose one task sentence is
 reworded; the shell protocol around it is the agent harness's, not the user's words), tools
 by the exact call, against bank schemas and schemas the model never saw. The bars are what
-the shipped model achieves (the issue's target: 60% of the 80); the test prints the rates.
+the shipped model achieves (the target: 60% of the 80); the test prints the rates.
 """
 
 import asyncio
@@ -31,7 +31,7 @@ from tests import REPO
 FULL = REPO / "models" / "demo-full"
 # The completion rate the shipped demo-full reaches on each domain's 20 requests (greedy), in
 # fp32. Math: 20 of 20 and tools: 6 of 20 (0.3), each with one request of margin for a
-# machine's native bf16 rounding. Together 0.6 of the 80 at least, the issue's target (the
+# machine's native bf16 rounding. Together 0.6 of the 80 at least, the target (the
 # model reaches 0.675; the one before it, too, with math 0.9 and code 0.65).
 BARS = {"math": 0.95, "code": 0.55, "terminal": 0.85, "tools": 0.25}
 
