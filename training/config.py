@@ -129,7 +129,9 @@ class RLConfig(BaseModel):
     temperature: float = Field(1.0, gt=0)
     eps_low: float = Field(0.2, gt=0, lt=1)
     eps_high: float = Field(0.28, gt=0)  # clip-higher: above eps_low
-    kl_coef: float = Field(0.0, ge=0)  # 0: no reference model, no KL term
+    kl_coef: float = Field(0.0, ge=0)  # 0: no KL term in the objective
+    # log the k3 KL to `init` every step even without a KL term (one more forward per row)
+    track_kl: bool = True
     overlong_cache: int = Field(64, ge=1)  # the penalty ramps over the budget's last tokens
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal
     domain_weighting: Literal["progress", "fixed"] = "progress"

@@ -11,6 +11,7 @@ from training.objectives.grpo import (
     kl_k3_sum,
     overlong_penalty,
     policy_loss_sum,
+    ratio_stats,
 )
 
 
@@ -19,6 +20,18 @@ def test_group_advantages_are_standardised_within_each_group() -> None:
     assert adv[0].tolist() == pytest.approx([1, -1, -1, 1], abs=1e-5)
     assert adv[1].tolist() == pytest.approx([-1 / 3**0.5] * 3 + [3**0.5], abs=1e-5)
     assert group_advantages(torch.ones(1, 4)).abs().max() == 0  # no signal, no step
+
+
+def test_ratio_stats_over_the_masked_tokens() -> None:
+    old = torch.zeros(2, 3)
+    new = torch.log(torch.tensor([[1.5, 1.0, 9.0], [0.5, 1.0, 1.0]]))
+    mask = torch.tensor([[True, True, False], [True, True, True]])  # 9.0 is masked out
+    stats = ratio_stats(new, old, mask)
+    assert stats["ratio_mean"] == pytest.approx(1.0)
+    assert stats["ratio_std"] == pytest.approx((0.5 / 5) ** 0.5)  # deviations +-0.5, three 0
+    assert stats["ratio_max_dev"] == pytest.approx(0.5)
+    nothing = ratio_stats(new, old, torch.zeros(2, 3, dtype=torch.bool))
+    assert nothing == {"ratio_mean": 1.0, "ratio_std": 0.0, "ratio_max_dev": 0.0}
 
 
 def test_dynamic_sampling_drops_groups_with_equal_rewards() -> None:

@@ -55,8 +55,13 @@ def test_reward_rises_and_per_domain_curves_are_logged(random_checkpoint: Path, 
     rewards = [row["reward/vowels"] for row in log]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.1, rewards
-    for key in ("success/vowels", "length/vowels", "entropy/vowels", "weight/vowels", "clip_frac"):
+    diagnostics = ("clip_frac", "ratio_mean", "ratio_std", "kl", "adv_std", "zero_variance_groups")
+    for key in ("success/vowels", "length/vowels", "entropy/vowels", "weight/vowels", *diagnostics):
         assert key in log[-1]
+    # The rollout engine and the trainer agree on the policy that sampled: the importance
+    # ratio is 1 up to their numerics at every step (the optimizer steps after the rollouts).
+    assert max(row["ratio_max_dev"] for row in log) < 1e-3, [row["ratio_max_dev"] for row in log]
+    assert log[0]["kl"] < 1e-6 < log[-1]["kl"]  # the policy starts at `init`, then moves
     assert (out / "model" / "model.safetensors").exists() and (out / "curves.png").exists()
 
 

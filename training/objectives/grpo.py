@@ -60,6 +60,24 @@ def policy_loss_sum(
     return -(surrogate * m).sum(), (was_clipped * m).sum() / m.sum().clamp(min=1)
 
 
+def ratio_stats(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """The importance ratio pi / pi_old over the masked tokens: its mean, spread and largest
+    departure from 1. A step's micro-batches all see the policy that sampled them (the
+    optimizer steps once, after the last), so the ratio is 1 up to the numerics of the
+    rollout engine against the trainer: a departure past ~1e-3 means the two disagree about
+    the policy, and the clipped objective then trains on noise."""
+    ratio = (logprobs - old_logprobs).exp()[mask]
+    if ratio.numel() == 0:
+        return {"ratio_mean": 1.0, "ratio_std": 0.0, "ratio_max_dev": 0.0}
+    return {
+        "ratio_mean": float(ratio.mean()),
+        "ratio_std": float(ratio.std(unbiased=False)),
+        "ratio_max_dev": float((ratio - 1).abs().max()),
+    }
+
+
 def kl_k3_sum(
     logprobs: torch.Tensor, reference_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:

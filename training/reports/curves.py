@@ -1,11 +1,22 @@
 """Training curves as a PNG: the loss terms and learning rate per step, held-out completion
-rates at each evaluation."""
+rates at each evaluation, and for RL the training reward per domain beside the diagnostics
+that say whether the update follows the reward (importance ratio, clipping, KL, entropy,
+advantage spread, groups without reward variance)."""
 
 from math import nan
 from pathlib import Path
 
 LOSS_TERMS = ("loss", "ce", "copy_loss", "mtp_loss", "aux_loss", "z_loss")
 HELDOUT_LOSSES = ("copy_loss",)  # eval keys that are losses, not completion rates
+RL_DIAGNOSTICS = (
+    "ratio_max_dev",
+    "ratio_std",
+    "clip_frac",
+    "kl",
+    "entropy",
+    "adv_std",
+    "zero_variance_groups",
+)
 
 
 def plot_curves(log: list[dict], evals: list[dict], out: Path, title: str) -> None:
@@ -16,7 +27,8 @@ def plot_curves(log: list[dict], evals: list[dict], out: Path, title: str) -> No
     matplotlib.use("Agg")  # no display: write files only
     import matplotlib.pyplot as plt
 
-    panels = 3 if evals else 2
+    rl = any(key.startswith("reward/") for row in log for key in row)
+    panels = 2 + bool(evals) + 2 * rl
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.6))
     steps = [row["step"] for row in log]
     for term in LOSS_TERMS:
@@ -37,6 +49,21 @@ def plot_curves(log: list[dict], evals: list[dict], out: Path, title: str) -> No
             axes[2].plot(*zip(*points, strict=True), marker="o", label=key)
         axes[2].set(xlabel="step", ylabel="held-out completion rate", ylim=(-0.02, 1.02))
         axes[2].legend(fontsize=7)
+    if rl:
+        _plot_rl(axes[-2], axes[-1], steps, log)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def _plot_rl(rewards, diagnostics, steps: list[int], log: list[dict]) -> None:
+    for key in sorted({k for row in log for k in row if k.startswith("reward/")}):
+        rewards.plot(steps, [row.get(key, nan) for row in log], label=key, linewidth=1)
+    rewards.set(xlabel="step", ylabel="training reward")
+    rewards.legend(fontsize=7)
+    for key in RL_DIAGNOSTICS:
+        if any(key in row for row in log):
+            values = [max(row.get(key, nan), 1e-8) for row in log]  # a log axis: 0 drawn at 1e-8
+            diagnostics.plot(steps, values, label=key, linewidth=1)
+    diagnostics.set(xlabel="step", ylabel="RL diagnostics", yscale="log")
+    diagnostics.legend(fontsize=7)

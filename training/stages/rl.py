@@ -33,6 +33,7 @@ from training.objectives.grpo import (
     kl_k3_sum,
     overlong_penalty,
     policy_loss_sum,
+    ratio_stats,
 )
 from training.objectives.losses import LossParts, token_losses
 from training.stages.policy import post_train
@@ -59,7 +60,7 @@ class RLBatch(Batch):
     ) -> None:
         super().__init__(batch.input_ids, batch.labels, batch.padding_mask)
         self.old_logprobs = old_logprobs  # [B, L], aligned with labels (0 where IGNORE)
-        self.ref_logprobs = ref_logprobs  # [B, L] or None without a KL term
+        self.ref_logprobs = ref_logprobs  # [B, L], or None when no KL is tracked
         self.advantages = advantages  # [B]
 
 
@@ -81,8 +82,9 @@ def rl_loss(config: RLStage) -> Any:
             logp, batch.old_logprobs, batch.advantages, mask, rl.eps_low, rl.eps_high
         )
         metrics = {"clip_frac": clipped.item()}
-        if batch.ref_logprobs is not None:
-            kl = kl_k3_sum(logp, batch.ref_logprobs, mask)
+        metrics |= ratio_stats(logp.detach(), batch.old_logprobs, mask)
+        if batch.ref_logprobs is not None:  # the KL to `init`: a term, or only tracked
+            kl = kl_k3_sum(logp if rl.kl_coef > 0 else logp.detach(), batch.ref_logprobs, mask)
             objective = objective + rl.kl_coef * kl
             metrics["kl"] = kl.item() / max(1, int(mask.sum()))
         with torch.no_grad():
@@ -93,6 +95,25 @@ def rl_loss(config: RLStage) -> Any:
         return LossParts(objective, nll, torch.zeros(()), metrics)
 
     return loss
+
+
+def step_tasks(
+    config: RLStage, step: int, rank: int, world: int, weights: dict[str, float]
+) -> list[Task]:
+    """The tasks one process plays at one step: domains drawn by `weights`, difficulties from
+    the data config, seeds from the training range, all from a generator seeded by (seed,
+    step, rank), so a resumed run (or another trainer given the same prompts) plays them
+    again."""
+    rl, data = config.rl, config.data
+    rng = random.Random(f"rl:{config.train.seed}:{step}:{rank}")
+    names = list(weights)
+    base = data.seed + (step * world + rank) * rl.tasks_per_step
+    return [
+        DOMAINS[rng.choices(names, [weights[n] for n in names])[0]].generate(
+            train_seed(base + i), rng.choice(data.difficulties)
+        )
+        for i in range(rl.tasks_per_step)
+    ]
 
 
 # One answer turn: prompt ids, completion ids, the completion's sampling log-probabilities,
@@ -128,9 +149,10 @@ class RLTrainer(Trainer):
         out_dir: Path,
         evaluate: EvalFn | None = None,
     ) -> None:
-        """Trains `config.init`; with a KL term, against a frozen copy of it."""
+        """Trains `config.init`; with a KL term (or `track_kl`), against a frozen copy of it."""
         self.config, self.tokenizer, self.pad_id = config, tokenizer, pad_id
-        self.reference = load_checkpoint(config.init).eval() if config.rl.kl_coef > 0 else None
+        tracked = config.rl.kl_coef > 0 or config.rl.track_kl
+        self.reference = load_checkpoint(config.init).eval() if tracked else None
         self.weights = DomainWeights(
             dict(config.data.mix), fixed=config.rl.domain_weighting == "fixed"
         )
@@ -146,17 +168,7 @@ class RLTrainer(Trainer):
         self.weights.fast, self.weights.slow = state["fast"], state["slow"]
 
     def tasks(self, step: int) -> list[Task]:
-        rl, data = self.config.rl, self.config.data
-        rng = random.Random(f"rl:{self.cfg.seed}:{step}:{self.rank}")
-        weights = self.weights.weights()
-        names = list(weights)
-        base = data.seed + (step * self.world + self.rank) * rl.tasks_per_step
-        return [
-            DOMAINS[rng.choices(names, [weights[n] for n in names])[0]].generate(
-                train_seed(base + i), rng.choice(data.difficulties)
-            )
-            for i in range(rl.tasks_per_step)
-        ]
+        return step_tasks(self.config, step, self.rank, self.world, self.weights.weights())
 
     def micro_batches(self, step: int) -> list[Batch]:
         rl = self.config.rl
@@ -170,7 +182,8 @@ class RLTrainer(Trainer):
         del engine
         rows: list[Row] = []
         stats: dict[str, list[float]] = {}
-        kept = 0
+        kept = flat = 0
+        advantages: list[float] = []
         for group in groups:
             domain = group[0].task.domain
             rewards = [
@@ -191,11 +204,13 @@ class RLTrainer(Trainer):
                 stats.setdefault(f"entropy/{domain}", []).extend(
                     -lp for t in r.turns for lp in t.logprobs
                 )
+            flat += not informative(rewards)
             if rl.dynamic_sampling and not informative(rewards):
                 continue
             kept += 1
-            for r, adv in zip(group, group_advantages(torch.tensor([rewards]))[0].tolist(),
-                              strict=True):  # fmt: skip
+            group_adv = group_advantages(torch.tensor([rewards]))[0].tolist()
+            advantages += group_adv
+            for r, adv in zip(group, group_adv, strict=True):
                 rows += turn_rows(r, adv, self.cfg.seq_len)
         for key, values in stats.items():
             if key.startswith("success/"):
@@ -203,6 +218,9 @@ class RLTrainer(Trainer):
         self.step_stats = {k: sum(v) / len(v) for k, v in stats.items() if v}
         self.step_stats |= {f"weight/{d}": w for d, w in self.weights.weights().items()}
         self.step_stats["groups_kept"] = kept / len(groups)
+        # Groups whose answers all scored alike: no GRPO signal, whether or not they are kept.
+        self.step_stats["zero_variance_groups"] = flat / len(groups)
+        self.step_stats["adv_std"] = float(torch.tensor(advantages or [0.0]).std(unbiased=False))
         return self._split(rows)
 
     def _split(self, rows: list[Row]) -> list[Batch]:
@@ -216,7 +234,7 @@ class RLTrainer(Trainer):
             part = rows[m * size : (m + 1) * size] or [([self.pad_id] * 2, [], [], 0.0)]
             batch, old, adv = collate(part, self.pad_id)
             ref = None
-            if self.reference is not None and self.config.rl.kl_coef > 0:
+            if self.reference is not None:
                 with torch.no_grad():
                     ref = label_logprobs(self.reference, batch)[0]
             out.append(RLBatch(batch, old, ref, adv))
