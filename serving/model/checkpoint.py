@@ -2,6 +2,12 @@
 `model.safetensors` (tensor names in hf_state_dict.py), the tokenizer files and
 `generation_config.json`; FP4 checkpoints in compressed-tensors' layout (quantization.py)
 are loaded into FP4 modules, and `quantize_checkpoint` writes them.
+
+The MTP head's tensors live in a sub-folder, `mtp/model.safetensors`, where transformers and
+vLLM do not look: both refuse or warn about tensors their architecture does not have, and
+the rest of the directory is then a plain Qwen3-MoE checkpoint they load unchanged. Our
+loader reads both files (and MTP tensors inside `model.safetensors`, as older checkpoints
+hold them).
 """
 
 import json
@@ -22,6 +28,8 @@ from serving.model.device import CPU
 from serving.model.dtype import DTYPES, resolve_dtype
 from serving.model.hf_state_dict import FP4_PARTS, from_hf_state_dict, to_hf_state_dict
 
+MTP_FILE = Path("mtp") / "model.safetensors"
+MTP_PREFIX = "mtp."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 # The generation_config.json fields a request inherits when it leaves them unset (those of
 # vLLM's `get_diff_sampling_param`, less max_new_tokens).
@@ -30,8 +38,8 @@ GenerationConfigMode = Literal["auto", "vllm"]
 
 
 def read_safetensors(path: Path, device: torch.device = CPU) -> dict[str, torch.Tensor]:
-    """All tensors of `model.safetensors`, or of the shards its index names, read straight
-    onto `device` (no staging copy in host memory for a GPU)."""
+    """All tensors of `model.safetensors`, or of the shards its index names, and of the MTP
+    head's file, read straight onto `device` (no staging copy in host memory for a GPU)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -42,6 +50,8 @@ def read_safetensors(path: Path, device: torch.device = CPU) -> dict[str, torch.
         files = ["model.safetensors"]
     else:
         raise CheckpointError(f"{path}: no model.safetensors")
+    if (path / MTP_FILE).exists():
+        files.append(str(MTP_FILE))
     tensors = {}
     for f in files:
         try:
@@ -51,6 +61,18 @@ def read_safetensors(path: Path, device: torch.device = CPU) -> dict[str, torch.
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path / f}: unreadable safetensors file: {e}") from e
     return tensors
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """`model.safetensors` with the model's tensors, and the MTP head's apart in `mtp/`."""
+    head = {k: v.contiguous() for k, v in tensors.items() if k.startswith(MTP_PREFIX)}
+    main = {k: v.contiguous() for k, v in tensors.items() if not k.startswith(MTP_PREFIX)}
+    save_file(main, path / "model.safetensors", metadata={"format": "pt"})
+    if head:
+        (path / MTP_FILE).parent.mkdir(exist_ok=True)
+        save_file(head, path / MTP_FILE, metadata={"format": "pt"})
+    else:
+        (path / MTP_FILE).unlink(missing_ok=True)
 
 
 def load_checkpoint(
@@ -137,7 +159,7 @@ def save_checkpoint(
     config = model.config.to_dict()
     config["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(to_hf_state_dict(model), path / "model.safetensors", metadata={"format": "pt"})
+    write_safetensors(path, to_hf_state_dict(model))
     if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != path.resolve():
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).exists():
@@ -189,11 +211,7 @@ def quantize_checkpoint(
     model.config.quantization = quantization.quantization_config(format, all_linear)
     config = model.config.to_dict() | {"dtype": str(dtype).removeprefix("torch.")}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(
-        {k: v.contiguous() for k, v in state.items()},
-        out / "model.safetensors",
-        metadata={"format": "pt"},
-    )
+    write_safetensors(out, state)
     for name in (*TOKENIZER_FILES, "generation_config.json"):
         if (src / name).exists():
             shutil.copy(src / name, out / name)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from serving.model.causal_lm import CausalLM, causal_mask
-from serving.model.checkpoint import load_checkpoint, quantize_checkpoint
+from serving.model.checkpoint import load_checkpoint, quantize_checkpoint, read_safetensors
 from serving.model.config import ModelConfig
 from training.config import ConfigError
 from training.stages.init_checkpoint import DEFAULT_SHAPE, init_checkpoint
@@ -65,11 +65,14 @@ def test_the_head_learns_the_targets_outputs_and_nothing_else_changes(tmp_path: 
     assert log[-1]["loss"] < log[0]["loss"]
     assert all(0.0 <= log[-1][f"mtp_top1/{d}"] <= 1.0 for d in (1, 2))
     assert (out / "data" / "sft-short-target.jsonl").exists()
-    given = load_file(target / "model.safetensors")
-    trained = load_file(out / "model" / "model.safetensors")
+    given = read_safetensors(target)
+    trained = read_safetensors(out / "model")
     assert set(trained) == set(given)
     changed = {k for k in given if not torch.equal(given[k], trained[k])}
     assert changed and all(k.startswith("mtp.") for k in changed)
+    main = (target / "model.safetensors").read_bytes()
+    assert (out / "model" / "model.safetensors").read_bytes() == main  # the model as it was
+    assert not any(k.startswith("mtp.") for k in load_file(out / "model" / "model.safetensors"))
     assert any(k.endswith(".weight_packed") for k in changed)  # the head's experts, in FP4
     assert (out / "model" / "config.json").read_text() == (target / "config.json").read_text()
     load_checkpoint(out / "model")  # serves

@@ -14,11 +14,15 @@ from typing import Literal
 
 import torch
 from pydantic import Field
-from safetensors.torch import load_file, save_file
 
 from serving.model import quantization
 from serving.model.causal_lm import CausalLM
-from serving.model.checkpoint import load_checkpoint
+from serving.model.checkpoint import (
+    MTP_PREFIX,
+    load_checkpoint,
+    read_safetensors,
+    write_safetensors,
+)
 from serving.model.hf_state_dict import to_hf_state_dict
 from serving.model.tokenizer import Tokenizer
 from training.config import ConfigError, FromCheckpoint
@@ -27,8 +31,6 @@ from training.objectives.losses import LossFn, LossParts, shift_labels, token_lo
 from training.stages.outputs import begin, finish, pad_id
 from training.stages.sft import sft_data
 from training.stages.trainer import Trainer
-
-MTP_PREFIX = "mtp."
 
 
 class MTPStage(FromCheckpoint):
@@ -82,7 +84,7 @@ def export_mtp(model: CausalLM, init: str, out: Path) -> Path:
     init_dir = Path(init)
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(init_dir, out)
-    tensors = load_file(init_dir / "model.safetensors")
+    tensors = read_safetensors(init_dir)
     head = {k: v for k, v in to_hf_state_dict(model).items() if k.startswith(MTP_PREFIX)}
     raw = json.loads((init_dir / "config.json").read_text())
     q = raw.get("quantization_config")
@@ -93,7 +95,7 @@ def export_mtp(model: CausalLM, init: str, out: Path) -> Path:
     head = {k: v if ".weight_" in k else v.detach().to(dtype) for k, v in head.items()}
     if set(head) != {k for k in tensors if k.startswith(MTP_PREFIX)}:
         raise ConfigError(f"the trained MTP head's tensors do not match {init}'s")
-    save_file(tensors | head, out / "model.safetensors", metadata={"format": "pt"})
+    write_safetensors(out, tensors | head)
     return out
 
 

@@ -1,15 +1,21 @@
 """Our model against transformers on the same checkpoint (the reference implementation)."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
 from serving.model.causal_lm import CausalLM  # noqa: E402
-from serving.model.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from serving.model.checkpoint import (  # noqa: E402
+    load_checkpoint,
+    read_safetensors,
+    save_checkpoint,
+)
 from serving.model.config import CheckpointError, ModelConfig  # noqa: E402
 
 MOE = dict(
@@ -128,11 +134,21 @@ def test_mtp_tensors_round_trip_and_transformers_ignores_them(tmp_path):
     model = CausalLM(config)
     model.init_weights()
     save_checkpoint(model, tmp_path / "b")
-    names = safe_open(tmp_path / "b" / "model.safetensors", "pt").keys()
+    # The head apart, where transformers and vLLM do not look: the rest is plain Qwen3-MoE.
+    names = safe_open(tmp_path / "b" / "mtp" / "model.safetensors", "pt").keys()
     assert "mtp.layers.1.eh_proj.weight" in names
     assert "mtp.layers.0.block.mlp.experts.3.up_proj.weight" in names
+    main = safe_open(tmp_path / "b" / "model.safetensors", "pt").keys()
+    assert not any(name.startswith("mtp.") for name in main)
     back = load_checkpoint(tmp_path / "b")
     for (name, a), b in zip(model.state_dict().items(), back.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    # A checkpoint written with the head inside model.safetensors still loads.
+    shutil.copytree(tmp_path / "b", tmp_path / "one-file")
+    shutil.rmtree(tmp_path / "one-file" / "mtp")
+    save_file(read_safetensors(tmp_path / "b"), tmp_path / "one-file" / "model.safetensors")
+    older = load_checkpoint(tmp_path / "one-file")
+    for (name, a), b in zip(model.state_dict().items(), older.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     ids, mask = _batch()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
