@@ -54,7 +54,8 @@ class TrainConfig(BaseModel):
     micro_batch: int = Field(8, ge=1)  # sequences per process per forward
     grad_accum: int = Field(1, ge=1)
     seq_len: int = Field(512, ge=8)
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    # bf16: mixed precision by autocast; auto: bf16 where the device computes it natively
+    dtype: Literal["fp32", "bf16", "auto"] = "fp32"
     zero_stage: int = Field(0, ge=0, le=2)
     seed: int = 0
     optim: OptimConfig = OptimConfig()

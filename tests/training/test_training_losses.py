@@ -15,6 +15,7 @@ from training.objectives.losses import (
     shift_labels,
     token_loss_sum,
 )
+from training.stages import trainer
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 4])
@@ -74,3 +75,11 @@ def test_distillation_is_zero_at_the_teacher_and_positive_elsewhere() -> None:
         0.0, abs=1e-5
     )
     assert float(distillation_loss_sum(torch.randn(2, 4, 11), teacher, labels, 2.0)) > 0.1
+
+
+def test_auto_dtype_is_bf16_only_where_bf16_is_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    for native in (False, True):
+        monkeypatch.setattr(trainer, "is_supported", lambda dtype, device, n=native: n)
+        assert trainer.autocast_bf16("auto", cpu) is native
+        assert trainer.autocast_bf16("bf16", cpu) and not trainer.autocast_bf16("fp32", cpu)

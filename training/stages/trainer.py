@@ -14,8 +14,9 @@ this nearly doubles the real tokens per second at 4 micro-batches of 4. The grad
 same sum over the same examples.
 
 `dtype = "bf16"` is mixed precision by `torch.autocast`: fp32 master weights and optimizer,
-bf16 matmuls (1.3-1.4x fp32 on this CPU). DeepSpeed's own bf16 mode, measured on the same
-SFT step, ran 5x slower than fp32 on CPU, so it is not used.
+bf16 matmuls; `"auto"` is bf16 where the device computes it natively (a GPU from Ampere on, a
+CPU with AVX512-BF16 or AMX) and fp32 elsewhere, where bf16 is emulated and slower than fp32.
+DeepSpeed's own bf16 mode ran several times slower than fp32 on a CPU, so it is not used.
 """
 
 import json
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from serving.model.causal_lm import CausalLM
+from serving.model.dtype import is_supported
 from training.config import TrainConfig
 from training.data.datasets import Batch, SampleOrder
 from training.objectives.losses import LossFn
@@ -54,6 +56,11 @@ class Sampler(Protocol):
 
 
 EvalFn = Callable[[CausalLM, int], dict[str, float]]  # (model, step) -> completion rates
+
+
+def autocast_bf16(dtype: str, device: torch.device) -> bool:
+    """Whether a step runs under bf16 autocast: `bf16`, or `auto` where bf16 is native."""
+    return dtype == "bf16" or (dtype == "auto" and is_supported(torch.bfloat16, device))
 
 
 def init_distributed() -> None:
@@ -172,7 +179,7 @@ class Trainer:
         totals: dict[str, float] = {}
         sums = torch.zeros(3)  # objective, cross-entropy, real tokens
         norm = None
-        bf16 = self.cfg.dtype == "bf16"
+        bf16 = autocast_bf16(self.cfg.dtype, self.device)
         for batch in batches:
             with torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
                 parts = self.loss_fn(self.model, batch)
