@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _WORD = re.compile(r"\w+|[^\w\s]")
-# Plain substring tests (of the lower-cased text): a regex per cue costs 100x more.
+# Plain substring tests (of the lower-cased text): a regex per cue costs far more.
 _CODE_CUES = ("```", "def ", "class ", "import ", "function", "python", "solve(")
 # A request that names the shell is a terminal one even when it asks for a ```bash block.
 _SHELL_CUES = ("shell", "bash", "terminal")

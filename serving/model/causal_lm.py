@@ -304,7 +304,7 @@ def pack_for_inference(model: CausalLM, decoder_layers: bool = True) -> None:
     """Lay every weight matrix out transposed in memory, logical shapes unchanged.
 
     `x @ W.t()` then reads `W.t()` as a plain row-major matrix, which CPU BLAS streams
-    1.5-2x faster at decode sizes than a transposed operand (`loadtests/bench_gemm.py`).
+    faster at decode sizes than a transposed operand (`loadtests/bench_gemm.py`).
     The embedding keeps its layout (its rows are gathered), and so does a head tied to it.
     An fp32 LM head on a CPU gets a copy in oneDNN's layout instead (`pack_onednn`).
     `decoder_layers=False` leaves the decoder layers as checkpoints lay them out, for compiled

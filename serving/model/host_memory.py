@@ -1,15 +1,15 @@
-"""Keep freed host memory in the process, so a CPU step does not page-fault its tensors in
-again every step.
+"""Keep freed host memory in the process, so a CPU step does not page-fault its tensors in again
+every step.
 
 glibc's malloc serves large blocks with `mmap` and hands them back on free; its threshold
 adapts upward after a free, but the top of the heap is trimmed back to the OS past twice the
-threshold. A CPU decode step allocates and frees the same tens of MB every step (gathered
-keys and values, activations, logits), so with the defaults each step faults them in anew:
-a 64-sequence rollout (`loadtests/bench_rollouts.py`) took 4.5M page faults and 2.3x the
-time. PyTorch's CPU tuning guide prescribes a caching allocator (jemalloc or tcmalloc by
-`LD_PRELOAD`) for this; fixing glibc's own thresholds does the same for blocks of up to
-32 MB (glibc's largest mmap threshold) with nothing to preload. Larger blocks are still
-mapped per allocation: preload jemalloc for shapes past that.
+threshold. A CPU decode step allocates and frees the same tens of MB every step (gathered keys
+and values, activations, logits), so with the defaults each step faults them in anew, which
+dominated a 64-sequence rollout's time (`loadtests/bench_rollouts.py`). PyTorch's CPU tuning
+guide prescribes a caching allocator (jemalloc or tcmalloc by `LD_PRELOAD`) for this; fixing
+glibc's own thresholds does the same for blocks of up to 32 MB (glibc's largest mmap
+threshold) with nothing to preload. Larger blocks are still mapped per allocation: preload
+jemalloc for shapes past that.
 """
 
 import ctypes

@@ -4,12 +4,12 @@ OpenMP (libgomp, torch's runtime) keeps a pool of workers for every thread that 
 parallel region, for as long as that thread lives. When a process's pools hold more threads
 than the machine has cores, libgomp stops spinning between regions ("throttled": 100 spins)
 and sleeps its workers, so every region pays a futex wake-up. A compiled decode step runs
-dozens of regions (each inductor kernel is one), so this costs 3-4x: a one-stream fp32 step of
-the benchmark model stepped on a thread of its own ran 52-90 tok/s when the main thread had
-loaded the model (its 2-thread pool alive) and 184-261 tok/s when it had not (2 vCPU Zen 3).
-So a server builds its engine on a passing thread (`build_off_thread`), whose pool goes with
-it, and each thread that steps sets its own count (`TorchThreads`: `torch.set_num_threads` is
-per thread, as OpenMP's team size and MKL's threads are).
+dozens of regions (each inductor kernel is one), so a one-stream step stepped on a thread of
+its own ran several times slower when the main thread had loaded the model (its pool alive)
+than when it had not (`loadtests/bench_api.py` steps an engine this way). So a server builds
+its engine on a passing thread (`build_off_thread`), whose pool goes with it, and each thread
+that steps sets its own count (`TorchThreads`: `torch.set_num_threads` is per thread, as
+OpenMP's team size and MKL's threads are).
 """
 
 import threading

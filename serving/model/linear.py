@@ -3,11 +3,10 @@
 There a projection of a few rows is written as a broadcast product summed over the input
 dimension, which inductor fuses into one C++ loop that streams the weight from where it lies
 (row-major, as checkpoints store it) and never calls a BLAS. On a CPU, MKL's fp32 products of
-1-32 rows read a cold weight far below memory speed, worst on AMD CPUs: 8 layers' dense
-projections and the LM head of the benchmark model (12.3 MB) took 1.0 / 2.3 / 3.4 / 4.9 ms at
-1 / 2 / 4 / 16 rows through `F.linear` on transposed-packed weights, 0.9 / 1.0 / 1.1 / 2.7 ms
-as fused reductions (2 vCPU Zen 3; `loadtests/bench_gemm.py`). Half-precision graphs are frozen
-and use inductor's own GEMM templates instead (`decode_graphs.inductor_config`).
+1-32 rows read a cold weight far below memory speed, worst on AMD CPUs, and their cost grows
+with the rows where the fused reduction's barely does (`loadtests/bench_gemm.py` measures
+both). Half-precision graphs are frozen and use inductor's own GEMM templates instead
+(`decode_graphs.inductor_config`).
 """
 
 import torch
@@ -46,11 +45,9 @@ class Linear(nn.Linear):
 
 def pack_onednn(linear: Linear) -> None:
     """Give an fp32 CPU projection a copy of its weight in oneDNN's blocked layout, which
-    oneDNN's product reads at decode sizes 1.4-3.5x faster than MKL reads a row-major or
-    transposed weight: the benchmark model's LM head (8192 x 256, cold) at 1 / 4 / 16 / 32 /
-    300 rows took 0.67 / 0.72 / 1.36 / 1.81 / 9.1 ms against `F.linear`'s 0.95 / 2.49 / 2.98 /
-    3.7 / 14.4 (2 vCPU Zen 3). It is what inductor's freezing does to fp32 linears; eager
-    code gets it here. Inference only: the copy is opaque to autograd and to every other op,
+    oneDNN's product reads at decode sizes faster than MKL reads a row-major or transposed
+    weight (`loadtests/bench_gemm.py`). It is what inductor's freezing does to fp32 linears;
+    eager code gets it here. Inference only: the copy is opaque to autograd and to every other op,
     so a weight shared with another module (a tied embedding) stays and the copy is extra."""
     w = linear.weight
     if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():

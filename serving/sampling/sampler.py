@@ -36,7 +36,7 @@ class Sampler:
     The draw is one batched inverse transform sampling (see `_draw`). A seeded row draws from
     its own generator (on the logits' device), so its tokens do not depend on what else is in
     the batch. When every sampled row has a top_k, sampling runs on the top max(top_k) columns
-    only: a CPU full-vocabulary sort costs ~40x a top-k.
+    only: a CPU full-vocabulary sort costs far more than a top-k.
 
     A row with a constraint draws from its distribution restricted to the tokens the
     constraint allows, as if they had been masked before sampling (vLLM's structured
@@ -158,7 +158,7 @@ def _constrained_draw(processed: torch.Tensor, raw: torch.Tensor, row: SamplingR
 
 def _race_scores(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """One row's scores in an exponential race, logits / T - log q, q ~ Exp(1) (as -log u:
-    uniform_ is ~4x faster than exponential_ on a CPU): their argmax is a draw from the
+    uniform_ is faster than exponential_ on a CPU): their argmax is a draw from the
     softmax, and over any subset of tokens a draw from the softmax restricted to it. Greedy
     rows race on the logits alone."""
     if row.params.greedy:
@@ -181,8 +181,8 @@ def _draw(
     its seed and logits alone, not on the batch. Columns cut to the batch's top-k are sorted
     back into token-id order first, so a row draws the same token over all the columns or the
     cut (the cut only drops zero weights, which leave the sums as they are). An exponential
-    race, what `_race_scores` runs for constrained rows, draws a vocabulary of noise a row:
-    for rollouts' seeded rows that cost ~5% of a decode step on a CPU.
+    race, what `_race_scores` runs for constrained rows, draws a vocabulary of noise a row: for
+    rollouts' seeded rows a visible share of a CPU decode step (`loadtests/bench_rollouts.py`).
     """
     if candidates is not None:
         order = candidates.argsort(dim=-1)

@@ -1,16 +1,13 @@
 """Tool-chain codes redrawn from the tokenizer's own multi-character pieces, for training.
 
 A chain's answer copies a code from the last tool result (`"confirmation": "J394XR"`). BPE
-cuts a random code mostly into single characters, with a merged piece here and there
-(`XR`, `PZ`, `pf`: the demo tokenizer has 221 of CODE_CHARS and 528 of their lower case).
-demo-full copied the single characters and dropped or swapped the merged pieces
-(`GPZS7R` as `GPS7R`, `msg_gjx6pf5lc6` as `msg_gjx6 +5lc6`): 10 of 20 held-out chains. Each
-piece turns up in a handful of training codes at most, too rarely to learn to copy it, so a
-share of the training chains get a code of the same form built largely from those pieces.
-The held-out tasks keep the generators' codes.
-Measured, it did not fix the copying: models trained with 70% and with all of their chains
-so still miscopy half the held-out difficulty-3 codes, now as other merged pieces; drills that
-train the copy in a short context (`training.data.copy_drills`) did fix it.
+cuts a random code mostly into single characters, with a merged piece here and there (`XR`,
+`PZ`, `pf`). A small model learns to copy the single characters and drops or swaps the merged
+pieces (`GPZS7R` as `GPS7R`): each piece turns up in a handful of training codes at most, too
+rarely to learn to copy it. So a share of the training chains get a code of the same form
+built largely from those pieces; the held-out tasks keep the generators' codes. On its own
+this did not teach the copy; drills that train it in a short context
+(`training.data.copy_drills`) did, and the two are used together.
 """
 
 import dataclasses

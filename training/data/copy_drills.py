@@ -1,16 +1,12 @@
 """Copy drills: the last turn of a tool chain, cut to the context it copies from.
 
-demo-full copies a chain's code one character token at a time and fails at the merged ones:
-teacher-forced on its held-out misses, every single-character token of the code gets 0.91-1.00
-and every merged piece 0.00-0.04 (`pf`, `PZ`, `XR`, and common lower-case ones, `at`, `ty`),
-while the top choice is another merged piece at 0.03-0.28. The failure does not depend on
-the context: cutting the 750-900 tokens of a held-out episode to the request, the last call
-and its result leaves the same 10 of 20 codes miscopied. So a drill is that cut context
-(350-450 tokens, a fifth of a chain's three turns) with a code built largely from merged
-pieces (`training.data.code_pieces`), trained on the turn that copies it twice, into the
-reasoning and into the answer.
-Measured: 400 SFT steps from that model with 40% drills raised those pieces to 0.04-0.77 and
-the held-out chains from 50% to 95%; 300 more with 25% drills to 100%.
+A small model copies a chain's code one character token at a time and fails at the merged
+pieces (`pf`, `PZ`, `XR`): teacher-forced on its misses, the single characters are near
+certain and the merged pieces near impossible, whatever the length of the context before
+them. So a drill is that cut context (the request, the last call and its result: a fraction
+of a chain's turns) with a code built largely from merged pieces
+(`training.data.code_pieces`), trained on the turn that copies it twice, into the reasoning
+and into the answer: many copies for the tokens a whole chain costs.
 """
 
 import dataclasses
