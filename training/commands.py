@@ -46,14 +46,10 @@ def run_stage_command(args: argparse.Namespace) -> None:
 
 def run_recipe_command(args: argparse.Namespace) -> None:
     _require_training_extra()
-    from training.recipes.run import RegressionError, run_recipe
+    from training.recipes.run import run_recipe
 
     work = args.work or Path("runs") / args.name
-    try:
-        published = run_recipe(args.name, work, args.models, args.continue_on_regression)
-    except RegressionError as e:
-        print(f"tierserve: recipe stopped: {e}", file=sys.stderr)
-        sys.exit(1)
+    published = run_recipe(args.name, work, args.models)
     for tier, path in published.items():
         print(f"{tier}: {path}")
 
@@ -99,11 +95,6 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("name", help="a recipe under training/recipes: demo or smoke")
     p.add_argument("--work", type=Path, help="stage directories (default runs/NAME)")
     p.add_argument("--models", type=Path, default=Path("models"), help="where models land")
-    p.add_argument(
-        "--continue-on-regression",
-        action="store_true",
-        help="go on when a post-training stage drops a domain by more than [regression] allows",
-    )
     p.set_defaults(run=run_recipe_command)
     p = stages.add_parser("tokenizer", help="byte-level BPE on the domain corpus")
     p.add_argument("--out", type=Path, required=True)

@@ -218,7 +218,8 @@ class EvalSpec(BaseModel):
 class RegressionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_drop: float = Field(5.0, ge=0)  # points a domain may lose to a post-training stage
+    # points a domain may lose to a post-training stage whose model is then still kept
+    max_drop: float = Field(2.0, ge=0)
 
 
 class RecipeConfig(BaseModel):

@@ -20,7 +20,7 @@ def test_a_recipe_needs_only_its_tokenizer(tmp_path: Path) -> None:
     path.write_text("[tokenizer]\nvocab_size = 600\nexamples = 60\n")
     recipe = load_recipe_config(path)
     assert recipe.highspeed.keep_layers is None  # the student keeps every layer
-    assert recipe.regression.max_drop == 5.0
+    assert recipe.regression.max_drop == 2.0
     assert recipe.eval.domains == ["math", "code", "terminal", "tools"]
 
 
