@@ -14,39 +14,10 @@ from training.data.tokenizer import CHAT_TEMPLATE, MARKUP_TOKENS, save_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "what",
-    "is",
-    "weather",
-    "in",
-    "Paris",
-    "Rome",
-    "city",
-    "calculate",
-    "12",
-    "+",
-    "345",
-    "=",
-    "357",
-    "héllo",
-    "wörld",
-    "日本語",
-    "café",
-    "naïve",
-    "😀",
-    "def",
-    "return",
-    "print(x)",
-]
+WORDS = (
+    "the quick brown fox jumps over a lazy dog what is weather in Paris Rome city calculate "
+    "12 + 345 = 357 héllo wörld 日本語 café naïve 😀 def return print(x)"
+).split()
 
 WEATHER = {
     "type": "function",
