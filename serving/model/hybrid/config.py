@@ -83,6 +83,8 @@ class HybridConfig:
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         if rope.get("rope_type", "default") != "default":
             raise CheckpointError(f"unsupported rope_type {rope.get('rope_type')!r}")
+        if raw.get("quantization_config") is not None:
+            raise CheckpointError("quantized Qwen3-Next checkpoints are not supported yet")
         if raw.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"unsupported hidden_act {raw.get('hidden_act')!r}")
         try:
