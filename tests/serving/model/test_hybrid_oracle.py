@@ -145,6 +145,25 @@ def test_prefill_then_decode_equals_one_forward(checkpoint):
     assert worst <= 1e-4, worst
 
 
+@torch.no_grad()
+def test_decode_matches_transformers_cached_decode(checkpoint):
+    """Our state steps against transformers' cache (its recurrent rule and conv update)."""
+    hf, path = checkpoint
+    ours = load_hybrid_checkpoint(path)
+    ids, _ = _batch([30], seed=4)
+    out = hf(input_ids=ids[:, :20], use_cache=True)
+    ref, cache = [out.logits], out.cache
+    logits, state = _logits(ours, ids[:, :20], None, ours.empty_state(1))
+    got = [logits]
+    for t in range(20, 30):
+        out = hf(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True)
+        ref.append(out.logits)
+        cache = out.cache
+        logits, state = _logits(ours, ids[:, t : t + 1], None, state)
+        got.append(logits)
+    assert (torch.cat(got, 1) - torch.cat(ref, 1)).abs().max() <= 1e-4
+
+
 def test_left_padding_is_refused(checkpoint):
     _, path = checkpoint
     ours = load_hybrid_checkpoint(path)
