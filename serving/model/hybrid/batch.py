@@ -1,0 +1,48 @@
+"""The layout of one call's padded batch, worked out once for every layer.
+
+Rows are right-padded: each row's real tokens come first (`padding_mask` True), so a row's
+state after the call is its state after its last real token, and its new tokens take the
+positions that follow the tokens it has already seen.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PaddedBatch:
+    lengths: torch.Tensor  # [B] long: real tokens of each row in this call
+    past: torch.Tensor  # [B] long: tokens each row saw before this call (0 without a state)
+    positions: torch.Tensor  # [B, L] long: past + index in the call
+    token_mask: torch.Tensor | None  # [B, L] bool, True on real tokens; None when none is padding
+    kv_width: int  # key slots a full-attention layer attends over
+    attn_mask: torch.Tensor  # [B, 1, L, kv_width] bool: query i of row b sees slots <= past + i
+
+    @classmethod
+    def build(
+        cls,
+        input_ids: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        past: torch.Tensor | None,
+        past_width: int,
+    ) -> "PaddedBatch":
+        """`past_width`: the slots of the full-attention layers' stored keys (0 without)."""
+        b, length = input_ids.shape
+        device = input_ids.device
+        index = torch.arange(length, device=device)
+        if padding_mask is None:
+            lengths = torch.full((b,), length, dtype=torch.long, device=device)
+            token_mask = None
+        else:
+            padding_mask = padding_mask.bool()
+            lengths = padding_mask.sum(-1)
+            if not torch.equal(padding_mask, index[None, :] < lengths[:, None]):
+                raise ValueError("padding_mask must be right-padded: each row's tokens first")
+            token_mask = None if bool(padding_mask.all()) else padding_mask
+        past = torch.zeros(b, dtype=torch.long, device=device) if past is None else past
+        positions = past[:, None] + index[None, :]
+        kv_width = max(past_width, int(past.max()) + length)
+        slots = torch.arange(kv_width, device=device)
+        attn_mask = slots[None, None, :] <= positions[:, :, None]
+        return cls(lengths, past, positions, token_mask, kv_width, attn_mask[:, None])
