@@ -8,16 +8,45 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from serving.model.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
+from serving.model.tokenizer import ChatTemplateError, Tokenizer
 from tasks.answers import parse_tool_calls, split_reasoning
 from training.data.tokenizer import CHAT_TEMPLATE, MARKUP_TOKENS, save_tokenizer, train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-WORDS = (
-    "the quick brown fox jumps over a lazy dog what is weather in Paris Rome city calculate "
-    "12 + 345 = 357 héllo wörld 日本語 café naïve 😀 def return print(x)"
-).split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "what",
+    "is",
+    "weather",
+    "in",
+    "Paris",
+    "Rome",
+    "city",
+    "calculate",
+    "12",
+    "+",
+    "345",
+    "=",
+    "357",
+    "héllo",
+    "wörld",
+    "日本語",
+    "café",
+    "naïve",
+    "😀",
+    "def",
+    "return",
+    "print(x)",
+]
 
 WEATHER = {
     "type": "function",
@@ -273,43 +302,6 @@ def test_named_templates_pick_tool_use(checkpoint: Path, tmp_path: Path) -> None
         assert ours.apply_chat_template(chat, tools=tools) == expected
     assert ours.apply_chat_template(chat) == "plain:x"
     assert ours.apply_chat_template(chat, tools=[WEATHER]) == "tools:1"
-
-
-def test_no_template(checkpoint: Path, tmp_path: Path) -> None:
-    path = _copy(checkpoint, tmp_path, skip="chat_template.jinja")
-    tok = Tokenizer.from_dir(path)
-    assert tok.encode("hi")  # completions still work
-    with pytest.raises(ChatTemplateError, match="no chat template"):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}])
-
-
-@pytest.mark.parametrize("missing", ["tokenizer.json", "tokenizer_config.json"])
-def test_missing_files(checkpoint: Path, tmp_path: Path, missing: str) -> None:
-    path = _copy(checkpoint, tmp_path, skip=missing)
-    with pytest.raises(TokenizerError, match=missing):
-        Tokenizer.from_dir(path)
-    with pytest.raises(TokenizerError, match="not a checkpoint directory"):
-        Tokenizer.from_dir(tmp_path / "nowhere")
-
-
-@pytest.mark.parametrize(
-    ("name", "text", "message"),
-    [
-        ("tokenizer.json", "{not json", "tokenizer.json is malformed"),
-        ("tokenizer_config.json", "{not json", "not valid JSON"),
-        ("tokenizer_config.json", "[1, 2]", "must hold a JSON object"),
-        ("generation_config.json", '{"eos_token_id": "x"}', "eos_token_id"),
-        ("chat_template.jinja", "{% if %}", "does not parse"),
-        ("tokenizer_config.json", '{"eos_token": "<nope>"}', "not in the vocabulary"),
-        ("tokenizer_config.json", '{"chat_template": [{"template": "x"}]}', "malformed"),
-    ],
-)
-def test_malformed_files(checkpoint: Path, tmp_path: Path, name: str, text: str, message: str):
-    # Without the template file, so that tokenizer_config.json's template is read.
-    path = _copy(checkpoint, tmp_path, skip="chat_template.jinja" * (name != "chat_template.jinja"))
-    (path / name).write_text(text)
-    with pytest.raises(TokenizerError, match=message):
-        Tokenizer.from_dir(path)
 
 
 def test_render_errors_are_clean(ours) -> None:
