@@ -11,7 +11,7 @@ from serving.model.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def _copy(random_checkpoint: Path, tmp_path: Path, skip: str = "") -> Path:
+def _copy(checkpoint: Path, tmp_path: Path, skip: str = "") -> Path:
     """The checkpoint's tokenizer files (not its weights), less `skip`."""
     for name in FILES:
         if name != skip:
