@@ -20,13 +20,14 @@ tables cut to the longest context, a dynamic dimension of the graph (`graph_deco
 FP4 experts stay eager code too, behind a `torch.library` op (`tierserve::fp4_moe_experts`)
 that the graphs call.
 
-Graphs are compiled when the engine starts, in a background thread, smallest size first;
-until a size is ready its batches run eagerly. Compiling first would hold the server's
-start (and a supervised restart) for the whole compilation: on a 2-core machine about 4 s
-a size from a warm cache, half a minute cold. Compiling on first use would stall whichever
-requests first reach a size. Inductor's caches live on disk (`compile_cache_dir`), so a
-restart retraces but does not recompile, except in half precision, whose graphs are frozen
-(`inductor_config`) and compiled anew at each start.
+Graphs are compiled when the engine starts, in a background thread, smallest size first
+(the one-stream graph that the first requests need comes first); until a size is ready its
+batches run eagerly, and the engine reports itself warming (`progress`): the tier server's
+/health answers 503 with the progress until every size is compiled, as vLLM's server is not
+healthy before its graphs are captured, so a gateway routes only to tiers at full speed.
+Compiling in the background rather than before the server listens lets it answer /health
+with that progress meanwhile. Inductor's caches live on disk (`compile_cache_dir`), so a
+restart retraces but does not recompile (`loadtests/bench_startup.py` measures both).
 """
 
 import contextlib
@@ -37,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -107,6 +109,15 @@ def release_gil_in_kernels() -> None:
     bindings.call_entry_function = "call_without_gil(kernel, {}); Py_RETURN_NONE;"
 
 
+class Progress(NamedTuple):
+    """How far the warm-up is: graphs compiled of those wanted; `done` once the compile
+    thread has ended (every graph compiled, or a failure that leaves the rest eager)."""
+
+    compiled: int
+    wanted: int
+    done: bool
+
+
 @dataclass
 class _Inputs:
     """A decode step's inputs for `size` sequences; rows past the batch are padding."""
@@ -161,6 +172,7 @@ class DecodeGraphs:
         self.buffers = padding(sizes[-1])
         self.forward: Callable[..., torch.Tensor] | None = None  # set by the thread
         self.num_ready = 0  # sizes[:num_ready] are compiled
+        self.done = False  # the compile thread has ended
         # Made here, not in the thread's inference mode: guards tell inference tensors apart.
         inputs = [padding(size) for size in sizes]
         self._capture = threading.Thread(
@@ -171,6 +183,9 @@ class DecodeGraphs:
     def wait(self) -> None:
         """Until every size is compiled (benchmarks and tests)."""
         self._capture.join()
+
+    def progress(self) -> Progress:
+        return Progress(self.num_ready, len(self.sizes), self.done)
 
     @torch.inference_mode()
     def _compile(self, model: CausalLM, inputs: list[_Inputs]) -> None:
@@ -192,6 +207,8 @@ class DecodeGraphs:
         except Exception:
             logger.exception("compiling decode steps failed; they run eagerly")
             return
+        finally:
+            self.done = True
         logger.info(
             "compiled decode steps for batch sizes %s in %.1f s (cache: %s)",
             self.sizes,

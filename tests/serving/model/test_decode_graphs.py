@@ -51,8 +51,12 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch, fp4
     )
     assert any(isinstance(m, QuantizedWeight) for m in compiled.model.modules()) == fp4
     graphs = compiled.runner.graphs
+    # Warming while the graph compiles (seconds at least: its thread first imports dynamo).
+    assert compiled.warmup() == (0, 1, False)
     graphs.wait()
     assert graphs.num_ready == 1
+    assert compiled.warmup() == (1, 1, True)
+    assert eager.warmup().done  # nothing to compile
     compiled_frames = counters["frames"]["total"]
     sizes = []
     run = graphs.run
