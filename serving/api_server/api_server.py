@@ -153,6 +153,13 @@ def build_app(
     return app
 
 
+def _not_health_checks(record: logging.LogRecord) -> bool:
+    """Leave /health out of the access log: a gateway probes a warming tier ten times a
+    second, which would bury the requests."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (len(args) > 2 and args[2] == "/health")
+
+
 def serve(
     model_dir: str | Path,
     host: str = "127.0.0.1",
@@ -177,6 +184,7 @@ def serve(
     assert engine.tokenizer is not None  # from_checkpoint always loads one
     aengine = AsyncEngine(engine)
     name = model_name or Path(model_dir).resolve().name
+    logging.getLogger("uvicorn.access").addFilter(_not_health_checks)
     try:
         app = build_app(aengine, engine.tokenizer, name, api_key, defaults)
         uvicorn.run(app, host=host, port=port)

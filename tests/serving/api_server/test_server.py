@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -434,3 +435,15 @@ async def test_disconnect_aborts(aengine: AsyncEngine, tokenizer: Tokenizer, str
         samples = _samples((await c.get("/metrics")).text)
     label = (("finished_reason", "abort"), ("model_name", MODEL))
     assert samples[("tierserve_request_success_total", label)] == 1
+
+
+def test_health_checks_stay_out_of_the_access_log() -> None:
+    from serving.api_server.api_server import _not_health_checks
+
+    def record(path: str) -> logging.LogRecord:
+        args = ("127.0.0.1:5", "GET", path, "1.1", 200)
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                                 args, None)  # fmt: skip
+
+    assert not _not_health_checks(record("/health"))
+    assert _not_health_checks(record("/v1/models"))
