@@ -91,7 +91,7 @@ class Supervisor:
     async def _startup_deadline(self) -> None:
         await asyncio.sleep(self.config.startup_timeout_s)
         down = [f"{u.tier} ({u.state})" for u in self.upstreams.values() if not u.available]
-        if down:
+        if down and not self._announced:  # after that, a tier down is a restart, logged
             log.error("tiers not ready after %.0f s: %s", self.config.startup_timeout_s, down)
 
     def _became_ready(self, upstream: Upstream, now: float) -> None:
