@@ -1,5 +1,6 @@
 """Compiled decode steps (`serving/model/decode_graphs.py`): the same greedy tokens as eager
-steps, padding rows that leave every sequence's cache alone, and the compile cache on disk.
+steps, padding rows that leave every sequence's cache alone, the compile cache on disk, and
+whole graphs stored there that a restart loads without tracing (`precompiled.py`).
 
 One tiny model and one padded batch size keep the compilation short (tens of seconds cold)."""
 
@@ -72,6 +73,19 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch, fp4
         torch.testing.assert_close(b.self_attn.k_cache[:n], a.self_attn.k_cache)
         torch.testing.assert_close(b.self_attn.v_cache[:n], a.self_attn.v_cache)
     assert any((tmp_path / "cache" / "inductor").iterdir())
+    # A restart loads the whole graph from disk (`precompiled`): nothing is traced again.
+    [stored] = (tmp_path / "cache" / "graphs").iterdir()
+    frames = counters["frames"]["total"]
+    restarted = LLMEngine(
+        load_checkpoint(ckpt, keep_fp4=fp4),
+        EngineConfig(**config, enforce_eager=False),
+        eos_token_ids=[],
+    )
+    restarted.runner.graphs.wait()
+    assert restarted.warmup() == (1, 1, True)
+    assert counters["frames"]["total"] == frames
+    assert [o[0].token_ids for o in restarted.generate(ps, params)] == want
+    assert [p.name for p in (tmp_path / "cache" / "graphs").iterdir()] == [stored.name]
 
 
 @pytest.mark.slow
