@@ -17,6 +17,7 @@ different CPUs needs `TORCH_EXTENSIONS_DIR` set per kind of machine.
 """
 
 import functools
+import hashlib
 import logging
 import threading
 from pathlib import Path
@@ -47,13 +48,22 @@ def _flags() -> list[str]:
 _lock = threading.Lock()
 
 
+def _build_name() -> str:
+    """The extension's name, and so its build directory: one per checkout and flags. Its
+    build commands name the source by its path, so checkouts sharing one extension cache
+    under one name rebuilt each other's build at every start (seconds to tens of seconds of a
+    tier's start, and of its restart after a crash)."""
+    key = f"{SOURCE.resolve()}|{' '.join(_flags())}"
+    return "tierserve_cpu_ops_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
 @functools.cache
 def _load() -> bool:
     from torch.utils import cpp_extension  # imported where it is used: ~0.3 s
 
     try:
         cpp_extension.load(
-            "tierserve_cpu_ops",
+            _build_name(),
             [str(SOURCE)],
             extra_cflags=_flags(),
             extra_ldflags=["-fopenmp"],

@@ -45,6 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.features import route_request
 from router.heuristic import HeuristicPolicy
+from serving.gateway.loadtest import LoadTestError, wait_ready
 from serving.gateway.upstream import free_port
 
 WORDS = "the quick brown fox jumps over a lazy dog while counting 17 * 23 apples".split()  # noqa: SIM905
@@ -80,17 +81,13 @@ def start_gateway(tier: dict, workdir: Path) -> tuple[subprocess.Popen, str, str
     command = [sys.executable, "-c", "from serving.cli import main; main()", "serve"]
     process = subprocess.Popen([*command, "--config", str(path)], stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the gateway did not start; see {workdir / 'gateway.log'}")
-        try:
-            health = httpx.get(f"{url}/health", timeout=2).json()
-            if health["status"] == "ok":
-                return process, url, health["tiers"]["full"]["url"].removesuffix("/v1")
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
+    try:
+        wait_ready(url, 600, process, workdir / "gateway.log")
+    except LoadTestError as e:
+        process.terminate()
+        raise SystemExit(str(e)) from None
+    health = httpx.get(f"{url}/health", timeout=5).json()
+    return process, url, health["tiers"]["full"]["url"].removesuffix("/v1")
 
 
 def start_bare_proxy(tier_root: str) -> tuple[subprocess.Popen, str]:

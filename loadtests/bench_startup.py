@@ -1,76 +1,180 @@
-"""How long `tierserve engine` takes to start: to /health 200, and until its compiled decode
-steps are ready (`serving/model/decode_graphs.py`: they compile in the background while the
-server answers eagerly), with a cold compile cache and then a warm one, and with
-`--enforce-eager` for reference.
+"""How long a tier takes to serve at full speed: `tierserve engine` from spawn to its first
+/health 200 (ready: its decode steps compiled, `serving/model/decode_graphs.py`), with an
+empty compile cache (cold) and then the one that start left (warm); and whether ready means
+full speed: one stream's tokens/s on the first request after ready against the median of
+three later ones on the same server (full speed: within 10%). `--kill` then starts
+`tierserve serve` over two tiers of the checkpoint (warm cache), puts it under load,
+SIGKILLs the full tier and times its recovery: from the kill to the gateway's /health saying
+the tier is ready again, and its one-stream speed then.
 
-    python -m loadtests.bench_startup [--checkpoint DIR] [--dtype float32]
+Each run has a cache directory of its own (inductor's caches and the C++ extension that
+`kernels/cpu_attention.py` builds), so cold is cold and no other checkout's builds interfere.
+
+    python -m loadtests.bench_startup [--checkpoint DIR] [--dtype float32] [--kill]
 """
 
 import argparse
 import os
-import re
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import yaml
 
 from loadtests.bench_engine import build_checkpoint
+from serving.gateway.loadtest import wait_ready
 from serving.gateway.upstream import free_port
 
-READY = re.compile(r"compiled decode steps for batch sizes .* in ([0-9.]+) s")
+PROMPT = " ".join(["tokens"] * 128)
+NEW_TOKENS = 128
+FULL_SPEED = 0.9  # the first request's tokens/s at least this share of the later ones'
 
 
-def start(checkpoint: Path, cache: Path, extra: list[str], log: Path) -> tuple[float, float | None]:
-    """Seconds from spawn to /health 200, and to compiled steps (None with --enforce-eager)."""
+def cache_env(cache: Path) -> dict[str, str]:
+    return dict(
+        os.environ,
+        TIERSERVE_CACHE_DIR=str(cache),
+        TORCH_EXTENSIONS_DIR=str(cache / "torch_extensions"),
+        OMP_NUM_THREADS="2",
+    )
+
+
+def tokens_per_s(root: str, model: str) -> float:
+    """One greedy stream of NEW_TOKENS, generated tokens over the request's wall time."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0.0,
+            "ignore_eos": True}  # fmt: skip
+    start = time.monotonic()
+    response = httpx.post(f"{root}/v1/completions", json=body, timeout=300)
+    response.raise_for_status()
+    return response.json()["usage"]["completion_tokens"] / (time.monotonic() - start)
+
+
+def speeds(root: str, model: str) -> tuple[float, float]:
+    """The first request's tokens/s and the median of three later ones."""
+    first = tokens_per_s(root, model)
+    later = statistics.median(tokens_per_s(root, model) for _ in range(3))
+    return first, later
+
+
+def start_tier(checkpoint: Path, cache: Path, dtype: str, log: Path) -> dict[str, float]:
+    """Spawn to /health 200, and the one-stream speeds right after it and later."""
     port = free_port()
     command = [sys.executable, "-c", "from serving.cli import main; main()", "engine"]
-    command += ["--model", str(checkpoint), "--port", str(port), *extra]
-    env = dict(os.environ, TIERSERVE_CACHE_DIR=str(cache), OMP_NUM_THREADS="2")
+    command += ["--model", str(checkpoint), "--port", str(port), "--dtype", dtype]
+    command += ["--served-model-name", "bench"]
     begin = time.monotonic()
     with log.open("w") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=out, env=env)
+        server = subprocess.Popen(command, stdout=out, stderr=out, env=cache_env(cache))
+    root = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            assert server.poll() is None, log.read_text()[-2000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        health = time.monotonic() - begin
-        if "--enforce-eager" in extra:
-            return health, None
-        while not READY.search(log.read_text()):
-            assert server.poll() is None, log.read_text()[-2000:]
-            time.sleep(0.1)
-        return health, time.monotonic() - begin
+        wait_ready(root, 900, server, log)
+        ready = time.monotonic() - begin
+        first, later = speeds(root, "bench")
     finally:
         server.terminate()
         server.wait(60)
+    return {"ready_s": ready, "first": first, "later": later}
+
+
+class Load(threading.Thread):
+    """Back-to-back short requests through the gateway, alternating tiers, until stopped."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.stop, self.statuses = url, threading.Event(), []
+
+    def run(self) -> None:
+        models = ["full", "highspeed"]
+        while not self.stop.is_set():
+            body = {"model": models[len(self.statuses) % 2], "prompt": PROMPT, "max_tokens": 16}
+            try:
+                status = httpx.post(f"{self.url}/v1/completions", json=body, timeout=60).status_code
+            except httpx.HTTPError:
+                status = 0
+            self.statuses.append(status)
+
+
+def kill_under_load(checkpoint: Path, cache: Path, dtype: str, workdir: Path) -> dict[str, float]:
+    tier = {"model": str(checkpoint), "dtype": dtype, "threads": 1}
+    port = free_port()
+    config = {
+        "port": port,
+        "tiers": {"full": tier | {"served_model_name": "bench-full"},
+                  "highspeed": tier | {"served_model_name": "bench-fast"}},
+        "supervisor": {"restart_backoff_s": 0.5},
+    }  # fmt: skip
+    path = workdir / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = workdir / "serve.log"
+    command = [sys.executable, "-c", "from serving.cli import main; main()", "serve"]
+    with log.open("w") as out:
+        gateway = subprocess.Popen(
+            [*command, "--config", str(path)], stdout=out, stderr=out, env=cache_env(cache)
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, 900, gateway, log)
+        pid = httpx.get(f"{url}/health", timeout=5).json()["tiers"]["full"]["pid"]
+        loads = [Load(url) for _ in range(4)]
+        for load in loads:
+            load.start()
+        time.sleep(5)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        while True:
+            full = httpx.get(f"{url}/health", timeout=5).json()["tiers"]["full"]
+            if full["state"] == "healthy" and full["pid"] != pid:
+                recovery = time.monotonic() - killed
+                break
+            time.sleep(0.05)
+        for load in loads:
+            load.stop.set()
+            load.join(120)
+        first, later = speeds(url, "full")
+    finally:
+        gateway.terminate()
+        gateway.wait(120)
+    statuses = [s for load in loads for s in load.statuses]
+    failed = sum(s != 200 for s in statuses)
+    return {"recovery_s": recovery, "first": first, "later": later,
+            "requests": len(statuses), "failed": failed}  # fmt: skip
+
+
+def verdict(first: float, later: float) -> str:
+    ratio = first / later
+    return f"{ratio:.2f} ({'full speed' if ratio >= FULL_SPEED else 'NOT full speed'})"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/tierserve-bench-moe-43m"))
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kill", action="store_true", help="also SIGKILL a tier under load")
     args = ap.parse_args()
     checkpoint = build_checkpoint(args.checkpoint)
-    extra = ["--dtype", args.dtype]
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         cache, log = Path(tmp) / "cache", Path(tmp) / "engine.log"
-        eager = [*extra, "--enforce-eager"]
-        rows.append(("--enforce-eager", *start(checkpoint, cache, eager, log)))
-        rows.append(("compiled, cold cache", *start(checkpoint, cache, extra, log)))
-        rows.append(("compiled, warm cache", *start(checkpoint, cache, extra, log)))
-    print(f"\n`tierserve engine --model {checkpoint.name} --dtype {args.dtype}`, 2 threads")
-    print("| start | to /health 200 s | to compiled decode steps s |\n|---|---|---|")
-    for name, health, ready in rows:
-        print(f"| {name} | {health:.1f} | {'-' if ready is None else f'{ready:.1f}'} |")
+        rows = [(name, start_tier(checkpoint, cache, args.dtype, log)) for name in ("cold", "warm")]
+        killed = kill_under_load(checkpoint, cache, args.dtype, Path(tmp)) if args.kill else None
+    print(f"\n`tierserve engine --model {checkpoint.name} --dtype {args.dtype}`, 2 threads; "
+          f"one stream: {NEW_TOKENS} new tokens, greedy")  # fmt: skip
+    print("| cache | spawn to ready (/health 200) s | first request tok/s | later tok/s (median "
+          "of 3) | first / later |\n|---|---|---|---|---|")  # fmt: skip
+    for name, row in rows:
+        print(f"| {name} | {row['ready_s']:.1f} | {row['first']:.0f} | {row['later']:.0f} | "
+              f"{verdict(row['first'], row['later'])} |")  # fmt: skip
+    if killed:
+        print(f"\nSIGKILL of the full tier under load (`tierserve serve`, two tiers, 1 thread "
+              f"each, warm cache): back ready in {killed['recovery_s']:.1f} s; then one stream "
+              f"{killed['first']:.0f} tok/s against {killed['later']:.0f} later: "
+              f"{verdict(killed['first'], killed['later'])}; {killed['requests']} requests "
+              f"under load, {killed['failed']} failed")  # fmt: skip
 
 
 if __name__ == "__main__":

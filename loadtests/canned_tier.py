@@ -1,9 +1,11 @@
 """A tier that answers without a model, in our tier's wire format: whole answers, or one SSE
 event per requested token, for chat and completions. Behind the gateway it leaves only
 what the hop, the limits and the load generator cost (`bench_gateway.py --canned`, the
-fuzz tests, the load test's own test). `--token-delay-ms` paces the tokens like a decoder.
+fuzz tests, the load test's own test). `--token-delay-ms` paces the tokens like a decoder;
+`--warmup-s` makes its /health answer as a `tierserve engine` compiling its decode steps does
+(503 with progress) for that long after it starts.
 
-    python loadtests/canned_tier.py --port 8101 [--token-delay-ms 0]
+    python loadtests/canned_tier.py --port 8101 [--token-delay-ms 0] [--warmup-s 0]
 """
 
 import argparse
@@ -17,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 DEFAULT_MAX_TOKENS = 16
+GRAPHS = 6  # what a warming canned tier says it compiles
 
 
 def _max_tokens(body: dict[str, Any]) -> int:
@@ -24,8 +27,9 @@ def _max_tokens(body: dict[str, Any]) -> int:
     return value if isinstance(value, int) and 0 < value <= 4096 else DEFAULT_MAX_TOKENS
 
 
-def canned_app(model: str = "canned", token_delay_s: float = 0.0) -> FastAPI:
+def canned_app(model: str = "canned", token_delay_s: float = 0.0, warmup_s: float = 0.0) -> FastAPI:
     app = FastAPI()
+    ready_at = time.monotonic() + warmup_s
 
     def usage(completion: int) -> dict[str, int]:
         return {"prompt_tokens": 32, "completion_tokens": completion,
@@ -72,8 +76,17 @@ def canned_app(model: str = "canned", token_delay_s: float = 0.0) -> FastAPI:
         return await answer(request, "cmpl")
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Response:
+        left = ready_at - time.monotonic()
+        if left > 0:
+            compiled = int(GRAPHS * (1 - left / warmup_s))
+            message = f"Warming up: {compiled} of {GRAPHS} decode graphs compiled."
+            error = {"message": message, "type": "server_error", "param": None,
+                     "code": "warming_up"}  # fmt: skip
+            warmup = {"graphs_compiled": compiled, "graphs_wanted": GRAPHS}
+            body = {"error": error, "status": "warming_up", "warmup": warmup}
+            return Response(json.dumps(body), 503, {"Retry-After": "1"}, "application/json")
+        return Response(json.dumps({"status": "ok"}), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -89,8 +102,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="canned")
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
+    parser.add_argument("--warmup-s", type=float, default=0.0)
     args = parser.parse_args()
-    app = canned_app(args.model, args.token_delay_ms / 1000)
+    app = canned_app(args.model, args.token_delay_ms / 1000, args.warmup_s)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 

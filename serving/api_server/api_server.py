@@ -24,6 +24,7 @@ from serving.api_server.serving_engine import APIError, OpenAIServing
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import GenerationConfigMode, sampling_defaults
+from serving.model.decode_graphs import Progress
 from serving.model.host_threads import build_off_thread
 from serving.model.tokenizer import Tokenizer
 
@@ -68,6 +69,20 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(500, "Internal server error.", type="server_error").response()
 
 
+def warming_response(progress: Progress) -> JSONResponse:
+    """A 503 in OpenAI's error shape, with the warm-up's progress beside the error."""
+    error = APIError(
+        503,
+        f"Warming up: {progress.compiled} of {progress.wanted} decode graphs compiled.",
+        type="server_error",
+        code="warming_up",
+        headers={"Retry-After": "1"},
+    )
+    progress_body = {"graphs_compiled": progress.compiled, "graphs_wanted": progress.wanted}
+    body = error.body.model_dump() | {"status": "warming_up", "warmup": progress_body}
+    return JSONResponse(body, 503, headers=error.headers)
+
+
 def build_app(
     engine: AsyncEngine,
     tokenizer: Tokenizer,
@@ -93,8 +108,14 @@ def build_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """vLLM's semantics: 200 once the engine serves at full speed. While its decode steps
+        still compile it answers (eagerly, slower), but /health says 503 with how far the
+        warm-up is, so a gateway or a load balancer sends it traffic only once it is fast."""
         if not engine.healthy:
             raise APIError(503, "The engine is not running.", type="server_error")
+        progress = engine.engine.warmup()
+        if not progress.done:
+            return warming_response(progress)
         return JSONResponse({"status": "ok"})
 
     @app.post("/tokenize")
@@ -132,6 +153,13 @@ def build_app(
     return app
 
 
+def _not_health_checks(record: logging.LogRecord) -> bool:
+    """Leave /health out of the access log: a gateway probes a warming tier ten times a
+    second, which would bury the requests."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (len(args) > 2 and args[2] == "/health")
+
+
 def serve(
     model_dir: str | Path,
     host: str = "127.0.0.1",
@@ -156,6 +184,7 @@ def serve(
     assert engine.tokenizer is not None  # from_checkpoint always loads one
     aengine = AsyncEngine(engine)
     name = model_name or Path(model_dir).resolve().name
+    logging.getLogger("uvicorn.access").addFilter(_not_health_checks)
     try:
         app = build_app(aengine, engine.tokenizer, name, api_key, defaults)
         uvicorn.run(app, host=host, port=port)

@@ -19,7 +19,7 @@ from serving.engine.tool_constraint import OptionalToolCallConstraint, ToolCallC
 from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
 from serving.model.config import ModelConfig
-from serving.model.decode_graphs import graph_sizes
+from serving.model.decode_graphs import Progress, graph_sizes
 from serving.model.device import kv_cache_budget, resolve_device
 from serving.model.dtype import resolve_kv_cache_dtype
 from serving.model.host_memory import retain_freed_memory
@@ -166,6 +166,13 @@ class LLMEngine:
         config = config or EngineConfig()
         model = load_checkpoint(path, config.dtype, resolve_device(config.device))
         return cls(model, config, Tokenizer.from_dir(path))
+
+    def warmup(self) -> Progress:
+        """How far the compiled decode steps are (`DecodeGraphs.progress`): until they are
+        done, steps of some batch sizes run eagerly, several times slower. An engine without
+        them (`enforce_eager`, or CUDA graphs, captured while it is built) is warm at once."""
+        graphs = self.runner.graphs
+        return graphs.progress() if graphs is not None else Progress(0, 0, done=True)
 
     # -- requests -------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.cascade import validate_answer
 from router.override import AUTO_MODEL, TIER_HEADER, OverrideError
-from router.policy import TIERS, Decision, Tier, other_tier
+from router.policy import TIERS, Decision, Tier
 from router.router import Router, load_policy
 from router.spill import SpillPolicy
 from serving.api_server.api_server import install_error_handlers
@@ -44,6 +44,7 @@ from serving.gateway.proxy import (
     upstream_payload,
 )
 from serving.gateway.rate_limits import RateLimiter, load_api_keys
+from serving.gateway.readiness import NoTierReady, gateway_status, wait_for_ready
 from serving.gateway.request_limits import BodyLimit, check_prompt, estimated_tokens
 from serving.gateway.request_log import RequestIdMiddleware, setup_json_logging
 from serving.gateway.schema import (
@@ -105,10 +106,18 @@ class Gateway:
         except OverrideError as e:
             status, code = (404, "model_not_found") if e.not_found else (400, None)
             raise APIError(status, str(e), param=e.param, code=code) from e
-        other = self.upstreams[other_tier(decision.tier)]
-        down = not self.upstreams[decision.tier].available
-        if self.config.fallback.enabled and down and other.available:
-            decision = decision.moved(other.tier, "tier_down")  # skip the doomed attempt
+        return decision
+
+    async def ready_tier(self, decision: Decision) -> Decision:
+        """The decision once a ready tier can take it (`readiness`), counted as routed."""
+        limits = self.config.limits
+        decision = await wait_for_ready(
+            decision,
+            self.upstreams,
+            self.config.fallback.enabled,
+            limits.tier_ready_wait_s,
+            limits.retry_after_s,
+        )
         self.metrics.routed(decision)
         return decision
 
@@ -154,6 +163,12 @@ class Gateway:
             raise
         stream = bool(body.get("stream"))
         decision = self.route(body, request.headers.get(TIER_HEADER))
+        try:
+            decision = await self.ready_tier(decision)
+        except NoTierReady:
+            charge.settle(0)
+            self.metrics.rejected("no_tier_ready", request_id, client)
+            raise
         try:
             decision, ticket = await self.admission.admit(decision, stream)
         except BaseException as e:  # no room (or the client left while queued)
@@ -292,15 +307,14 @@ class Gateway:
 
     def health(self) -> JSONResponse:
         tiers = {tier: u.describe() for tier, u in self.upstreams.items()}
-        healthy = [u.available for u in self.upstreams.values()]
-        status = "ok" if all(healthy) else "degraded" if any(healthy) else "unavailable"
+        status = gateway_status(self.upstreams)
         body = {
             "status": status,
             "pid": os.getpid(),
             "router": self.describe_router(),
             "tiers": tiers,
         }
-        return JSONResponse(body, status_code=200 if any(healthy) else 503)
+        return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
     async def close(self) -> None:
         await self.supervisor.stop()

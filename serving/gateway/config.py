@@ -118,7 +118,7 @@ class FallbackConfig(_Strict):
 
 
 class SupervisorConfig(_Strict):
-    startup_timeout_s: Seconds = 300.0  # for a tier to answer /health
+    startup_timeout_s: Seconds = 300.0  # for a tier to be ready (/health 200); then logged
     health_interval_s: Seconds = 2.0
     restart_backoff_s: Seconds = 1.0  # doubled after each crash in a row
     max_restart_backoff_s: Seconds = 60.0
@@ -145,7 +145,10 @@ class LimitsConfig(_Strict):
     max_concurrent_streams: Annotated[int, Field(ge=1)] = 256
     max_prompt_chars: Annotated[int, Field(ge=1)] = 200_000  # messages' or prompt's text
     max_body_bytes: Annotated[int, Field(ge=1)] = 4 << 20  # 413 beyond it
-    retry_after_s: Annotated[int, Field(ge=1)] = 1  # the Retry-After of an overload 429
+    retry_after_s: Annotated[int, Field(ge=1)] = 1  # the Retry-After of an overload 429 or 503
+    # A request that no ready tier can take (starting, warming up, restarting) waits this long
+    # for one, then gets a 503 with Retry-After (`serving/gateway/readiness.py`).
+    tier_ready_wait_s: Seconds = 10.0
 
 
 class RateLimitConfig(_Strict):

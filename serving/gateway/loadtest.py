@@ -188,25 +188,63 @@ def report_markdown(summary: Summary, missed: list[str], plot: str | None) -> st
     return "\n".join(lines) + "\n"
 
 
-def start_server(config: Path | None, log_path: Path, timeout_s: float = 600) -> tuple[
+def start_server(config: Path | None, log_path: Path, timeout_s: float) -> tuple[
     subprocess.Popen, str
 ]:  # fmt: skip
-    """`tierserve serve` on a free port, once both tiers are healthy."""
+    """`tierserve serve` on a free port, once every tier is ready (`wait_ready`)."""
     port = free_port()
     command = [sys.executable, "-c", "from serving.cli import main; main()", "serve"]
     command += ["--port", str(port)] + (["--config", str(config)] if config else [])
     process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, timeout_s, process, log_path)
+    except LoadTestError:
+        process.terminate()
+        process.wait(timeout=60)
+        raise
+    return process, url
+
+
+def _tier_states(health: dict) -> str:
+    tiers = health.get("tiers") or {}
+    parts = []
+    for tier, info in tiers.items():
+        warmup = info.get("warmup") or {}
+        progress = (
+            f" {warmup.get('graphs_compiled')}/{warmup.get('graphs_wanted')}" if warmup else ""
+        )
+        parts.append(f"{tier} {info.get('state')}{progress}")
+    return ", ".join(parts) or str(health.get("status"))
+
+
+def wait_ready(
+    url: str, timeout_s: float, process: subprocess.Popen | None = None, log: Path | None = None
+) -> None:
+    """Until the gateway's /health answers 200 with every tier ready (`ok`): a load test of a
+    server still compiling would measure its warm-up. LoadTestError after `timeout_s`,
+    saying where each tier was."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and process.poll() is None:
+    last = "no answer"
+    see = f"; see {log}" if log else ""
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise LoadTestError(
+                f"tierserve serve exited with status {process.returncode} before its tiers "
+                f"were ready{see}"
+            )
         try:
-            if httpx.get(f"{url}/health", timeout=2).json().get("status") == "ok":
-                return process, url
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    process.terminate()
-    raise LoadTestError(f"tierserve serve did not become healthy; see {log_path}")
+            response = httpx.get(f"{url}/health", timeout=2)
+            health = response.json()
+            if response.status_code == 200 and health.get("status") == "ok":
+                return
+            last = _tier_states(health)
+        except (httpx.HTTPError, ValueError) as e:
+            last = type(e).__name__
+        time.sleep(0.2)
+    raise LoadTestError(
+        f"{url}: tiers not ready after {timeout_s:g} s (--ready-timeout); last /health: {last}{see}"
+    )
 
 
 def server_pids(url: str) -> dict[str, int]:
@@ -299,7 +337,9 @@ def run_loadtest(args: argparse.Namespace) -> None:
     server = None
     url = args.url
     if url is None:
-        server, url = start_server(args.config, out / "serve.log")
+        server, url = start_server(args.config, out / "serve.log", args.ready_timeout)
+    else:
+        wait_ready(url, args.ready_timeout)
     try:
         if args.ramp:
             stages = [one_run(args, url, u, out / f"ramp_{u}") for u in args.ramp]
@@ -345,6 +385,13 @@ def add_loadtest(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--url", help="the gateway (default: start `tierserve serve`)")
     parser.add_argument("--config", type=Path, help="the started server's config")
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds to wait for every tier to be ready (/health 200, status ok) first",
+    )
     parser.add_argument("--out", type=Path, default=Path("loadtest-report"))
     parser.add_argument("--slo-ttft-p99-ms", type=float, default=10_000.0)
     parser.add_argument("--slo-error-rate", type=float, default=0.01)

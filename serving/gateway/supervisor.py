@@ -2,6 +2,10 @@
 tier's health state current, restart crashed children with exponential backoff, and stop
 them all on shutdown.
 
+The gateway listens while its tiers start and warm up, so its /health can say how far they
+are; a tier takes traffic once its own /health answers 200 (it serves at full speed), and the
+supervisor logs one line when every tier is ready, with how long each took.
+
 Children run in their own process group (a Ctrl-C at the terminal reaches only the gateway,
 which drains before it stops them) and, on Linux, get SIGTERM from the kernel if the
 gateway dies without cleaning up, so no tier outlives its gateway.
@@ -18,14 +22,15 @@ import time
 
 from router.policy import Tier
 from serving.gateway.config import EmbeddedTier, SupervisorConfig
-from serving.gateway.upstream import TierState, Upstream
+from serving.gateway.upstream import Probe, TierState, Upstream
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 # A tier healthy this long after a restart has recovered: the backoff starts over.
 _STABLE_S = 60.0
-# A tier process just started is probed this often (a refused connection on the loopback
-# costs nothing), so it serves as soon as it answers rather than up to an interval later.
+# A tier process just started, or warming up, is probed this often (a refused connection on
+# the loopback costs nothing, a warming tier's 503 little), so it takes traffic as soon as it
+# is ready rather than up to an interval later.
 _STARTING_PROBE_S = 0.1
 
 
@@ -64,26 +69,50 @@ class Supervisor:
         self.config = config
         self._processes: dict[Tier, asyncio.subprocess.Process] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._began = time.monotonic()
+        self._announced = False  # the all-ready line has been logged
 
     async def start(self) -> None:
-        """Start every tier and wait (up to the startup timeout) until all are healthy. A tier
-        still down by then is logged and kept trying; the gateway serves with the other."""
+        """Start every embedded tier's process (raising if one cannot be spawned) and watch
+        every tier; returns at once. A tier still not ready after the startup timeout is
+        logged and kept trying; the gateway serves with the other."""
+        self._began = time.monotonic()
+        processes = {
+            tier: await self._spawn(u)
+            for tier, u in self.upstreams.items()
+            if isinstance(u.config, EmbeddedTier)
+        }
         self._tasks = [
-            asyncio.create_task(self._watch(u), name=f"watch-{u.tier}")
-            for u in self.upstreams.values()
+            asyncio.create_task(self._watch(u, processes.get(tier)), name=f"watch-{tier}")
+            for tier, u in self.upstreams.items()
         ]
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while time.monotonic() < deadline:
-            if all(u.available for u in self.upstreams.values()):
-                return
-            if any(t.done() for t in self._tasks):
-                break  # a watcher failed (cannot spawn): report below
-            await asyncio.sleep(0.1)
-        for task in self._tasks:
-            if task.done() and task.exception():
-                raise RuntimeError(f"tier supervision failed: {task.exception()}")
+        self._tasks.append(asyncio.create_task(self._startup_deadline(), name="startup-deadline"))
+
+    async def _startup_deadline(self) -> None:
+        await asyncio.sleep(self.config.startup_timeout_s)
         down = [f"{u.tier} ({u.state})" for u in self.upstreams.values() if not u.available]
-        log.error("tiers not healthy after %.0f s: %s", self.config.startup_timeout_s, down)
+        if down and not self._announced:  # after that, a tier down is a restart, logged
+            log.error("tiers not ready after %.0f s: %s", self.config.startup_timeout_s, down)
+
+    def _became_ready(self, upstream: Upstream, now: float) -> None:
+        """Log a tier's readiness, and once, the first time all are ready, the one line
+        that says the gateway serves at full speed."""
+        if upstream.started_at is not None:
+            upstream.ready_s = now - upstream.started_at
+            log.info("tier %s: ready in %.1f s (%s)", upstream.tier, upstream.ready_s,
+                     upstream.api_root)  # fmt: skip
+        else:
+            log.info("tier %s: ready (%s)", upstream.tier, upstream.api_root)
+        upstream.state = TierState.HEALTHY
+        if self._announced or not all(u.available for u in self.upstreams.values()):
+            return
+        self._announced = True
+        times = ", ".join(
+            f"{u.tier} {u.ready_s:.1f} s" if u.ready_s is not None else f"{u.tier} (remote)"
+            for u in self.upstreams.values()
+        )
+        log.info("ready: every tier serves at full speed, %.1f s after start (%s)",
+                 now - self._began, times)  # fmt: skip
 
     async def stop(self) -> None:
         """Stop watching, then SIGTERM every child and SIGKILL those still alive after the
@@ -120,14 +149,13 @@ class Supervisor:
         )
         self._processes[upstream.tier] = process
         upstream.pid = process.pid
+        upstream.started_at = time.monotonic()
         log.info("tier %s: started pid %d on port %d", upstream.tier, process.pid, port)
         return process
 
-    async def _watch(self, upstream: Upstream) -> None:
-        """Keep one tier's state current; for an embedded tier, (re)start its process."""
-        embedded = isinstance(upstream.config, EmbeddedTier)
+    async def _watch(self, upstream: Upstream, process: asyncio.subprocess.Process | None) -> None:
+        """Keep one tier's state current; for an embedded tier (`process`), restart it."""
         backoff = self.config.restart_backoff_s
-        process = await self._spawn(upstream) if embedded else None
         healthy_since: float | None = None
         while True:
             if process is not None and process.returncode is not None:
@@ -141,21 +169,27 @@ class Supervisor:
                 upstream.restarts += 1
                 upstream.state = TierState.STARTING
                 process, healthy_since = await self._spawn(upstream), None
-            healthy = await upstream.probe(timeout_s=self.config.health_interval_s)
+            probe = await upstream.probe(timeout_s=self.config.health_interval_s)
             now = time.monotonic()
-            if healthy and upstream.state != TierState.HEALTHY:
-                log.info("tier %s: healthy (%s)", upstream.tier, upstream.api_root)
-                healthy_since = now
-            elif not healthy and upstream.state == TierState.HEALTHY:
-                log.warning("tier %s: unhealthy: %s", upstream.tier, upstream.last_error)
-            if healthy:
-                upstream.state = TierState.HEALTHY
+            if probe == Probe.READY:
+                if upstream.state != TierState.HEALTHY:
+                    self._became_ready(upstream, now)
+                    healthy_since = now
                 if healthy_since is not None and now - healthy_since > _STABLE_S:
                     backoff = self.config.restart_backoff_s
-            elif upstream.state != TierState.STARTING:
+            elif probe == Probe.WARMING:
+                if upstream.state != TierState.WARMING:
+                    log.info("tier %s: warming up: %s", upstream.tier, upstream.warmup)
+                upstream.state = TierState.WARMING
+            elif upstream.state == TierState.HEALTHY:
+                log.warning("tier %s: unhealthy: %s", upstream.tier, upstream.last_error)
+                upstream.state = TierState.UNHEALTHY
+            elif upstream.state not in (TierState.STARTING, TierState.WARMING):
                 upstream.state = TierState.UNHEALTHY
             interval = self.config.health_interval_s
-            if process is not None and upstream.state == TierState.STARTING:
+            if upstream.state == TierState.WARMING or (
+                process is not None and upstream.state == TierState.STARTING
+            ):
                 interval = min(interval, _STARTING_PROBE_S)
             with contextlib.suppress(asyncio.TimeoutError):
                 # Wake at once when the process dies, else poll health at the interval.

@@ -1,11 +1,17 @@
 """One tier as the gateway sees it: an OpenAI-compatible server behind a pooled httpx client,
-its health state and how many of the gateway's requests it is serving now."""
+its health state and how many of the gateway's requests it is serving now.
+
+A tier is ready when its /health answers 200, which for vLLM and for `tierserve engine` means
+it serves at full speed; a `tierserve engine` still compiling its decode steps answers 503
+with its warm-up progress, which the gateway reports (`TierState.WARMING`) but routes nothing
+to."""
 
 import asyncio
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import aiohttp
 import httpx
@@ -17,10 +23,19 @@ from serving.gateway.config import EmbeddedTier, FallbackConfig, RemoteTier
 
 class TierState(StrEnum):
     STARTING = "starting"  # started, not answering /health yet
-    HEALTHY = "healthy"
+    WARMING = "warming"  # answering /health with 503 and its warm-up progress
+    HEALTHY = "healthy"  # ready: /health answers 200
     UNHEALTHY = "unhealthy"  # running (or remote) but failing its health check
     RESTARTING = "restarting"  # the process died; waiting out the backoff
     STOPPED = "stopped"
+
+
+class Probe(StrEnum):
+    """What one health check found."""
+
+    READY = "ready"
+    WARMING = "warming"
+    DOWN = "down"
 
 
 def free_port() -> int:
@@ -82,6 +97,9 @@ class Upstream:
     restarts: int = 0
     pid: int | None = None
     last_error: str | None = field(default=None)
+    warmup: dict[str, Any] | None = None  # the tier's last warm-up progress, while warming
+    started_at: float | None = None  # when its process was (re)started, monotonic
+    ready_s: float | None = None  # from that start to its first 200 from /health
     _urls: dict[str, httpx.URL] = field(default_factory=dict)
 
     def url(self, address: str) -> httpx.URL:
@@ -109,17 +127,23 @@ class Upstream:
         path = self.config.metrics_path if isinstance(self.config, RemoteTier) else "/metrics"
         return self.server_root + path
 
-    async def probe(self, timeout_s: float) -> bool:
-        """True when the tier answers its health check with a 2xx."""
+    async def probe(self, timeout_s: float) -> Probe:
+        """READY on a 2xx; WARMING on a 503 that carries warm-up progress (kept in
+        `warmup`); DOWN otherwise."""
         try:
             response = await self.client.get(self.health_url, timeout=timeout_s)
         except httpx.HTTPError as e:
             self.last_error = f"health check: {type(e).__name__}"
-            return False
+            return Probe.DOWN
         if response.is_success:
-            return True
+            self.warmup = None
+            return Probe.READY
+        warmup = _warmup_of(response)
+        if warmup is not None:
+            self.warmup = warmup
+            return Probe.WARMING
         self.last_error = f"health check: HTTP {response.status_code}"
-        return False
+        return Probe.DOWN
 
     def describe(self) -> dict[str, object]:
         """The tier's entry in the gateway's /health."""
@@ -132,10 +156,24 @@ class Upstream:
             "in_flight": self.in_flight,
         }
         if isinstance(self.config, EmbeddedTier):
-            info |= {"pid": self.pid, "restarts": self.restarts}
+            info |= {"pid": self.pid, "restarts": self.restarts, "ready_s": self.ready_s}
+        if self.state == TierState.WARMING:
+            info["warmup"] = self.warmup
         if self.last_error and self.state != TierState.HEALTHY:
             info["last_error"] = self.last_error
         return info
+
+
+def _warmup_of(response: httpx.Response) -> dict[str, Any] | None:
+    """The warm-up progress in a tier's 503 (`serving/api_server/api_server.py`), if any."""
+    if response.status_code != 503:
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    warmup = body.get("warmup") if isinstance(body, dict) else None
+    return warmup if isinstance(warmup, dict) else None
 
 
 def make_upstream(

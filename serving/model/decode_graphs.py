@@ -20,13 +20,16 @@ tables cut to the longest context, a dynamic dimension of the graph (`graph_deco
 FP4 experts stay eager code too, behind a `torch.library` op (`tierserve::fp4_moe_experts`)
 that the graphs call.
 
-Graphs are compiled when the engine starts, in a background thread, smallest size first;
-until a size is ready its batches run eagerly. Compiling first would hold the server's
-start (and a supervised restart) for the whole compilation: on a 2-core machine about 4 s
-a size from a warm cache, half a minute cold. Compiling on first use would stall whichever
-requests first reach a size. Inductor's caches live on disk (`compile_cache_dir`), so a
-restart retraces but does not recompile, except in half precision, whose graphs are frozen
-(`inductor_config`) and compiled anew at each start.
+Graphs are compiled when the engine starts, in a background thread, smallest size first
+(the one-stream graph that the first requests need comes first); until a size is ready its
+batches run eagerly, and the engine reports itself warming (`progress`): the tier server's
+/health answers 503 with the progress until every size is compiled, as vLLM's server is not
+healthy before its graphs are captured, so a gateway routes only to tiers at full speed.
+Compiling in the background rather than before the server listens lets it answer /health
+with that progress meanwhile. Inductor's caches live on disk (`compile_cache_dir`), and so do
+the fp32 graphs whole (`precompiled.py`), so a restart loads them rather than tracing them
+again; half-precision graphs, frozen, are traced again (`loadtests/bench_startup.py`
+measures a cold start, a warm one and a restart after SIGKILL).
 """
 
 import contextlib
@@ -38,12 +41,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from kernels import ops
 from serving.model.attention import AttentionMetadata, padded_tables
 from serving.model.causal_lm import CausalLM
+from serving.model.precompiled import graph_key, load_or_compile
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +112,15 @@ def release_gil_in_kernels() -> None:
     bindings.call_entry_function = "call_without_gil(kernel, {}); Py_RETURN_NONE;"
 
 
+class Progress(NamedTuple):
+    """How far the warm-up is: graphs compiled of those wanted; `done` once the compile
+    thread has ended (every graph compiled, or a failure that leaves the rest eager)."""
+
+    compiled: int
+    wanted: int
+    done: bool
+
+
 @dataclass
 class _Inputs:
     """A decode step's inputs for `size` sequences; rows past the batch are padding."""
@@ -159,8 +173,11 @@ class DecodeGraphs:
             scratch_block=scratch_block,
         )
         self.buffers = padding(sizes[-1])
+        self.model = model
         self.forward: Callable[..., torch.Tensor] | None = None  # set by the thread
+        self._stored: dict[int, Callable[..., torch.Tensor]] = {}  # by size (`precompiled`)
         self.num_ready = 0  # sizes[:num_ready] are compiled
+        self.done = False  # the compile thread has ended
         # Made here, not in the thread's inference mode: guards tell inference tensors apart.
         inputs = [padding(size) for size in sizes]
         self._capture = threading.Thread(
@@ -172,6 +189,9 @@ class DecodeGraphs:
         """Until every size is compiled (benchmarks and tests)."""
         self._capture.join()
 
+    def progress(self) -> Progress:
+        return Progress(self.num_ready, len(self.sizes), self.done)
+
     @torch.inference_mode()
     def _compile(self, model: CausalLM, inputs: list[_Inputs]) -> None:
         """Each size on inputs of its own (padding rows: they touch only the scratch block),
@@ -179,24 +199,34 @@ class DecodeGraphs:
         `torch.compile` is called here: its first call imports dynamo (~2-4 s), which would
         otherwise hold the server's start."""
         start = time.monotonic()
+        dtype = model.embed_tokens.weight.dtype
+        # Whole graphs on disk (`precompiled`): static shapes only, and no frozen weights.
+        store = self.paged_kernel and dtype == torch.float32
         try:
             release_gil_in_kernels()
             self.forward = torch.compile(model, dynamic=False, fullgraph=True)
             # One cache entry per size and model (a process may hold several engines);
             # dynamo's config is per thread.
             torch._dynamo.config.recompile_limit = 64
-            with inductor_config(model.embed_tokens.weight.dtype):
+            with inductor_config(dtype):
                 for padding in inputs:
+                    if store:
+                        example = self._arguments(padding, padding.block_tables)
+                        path = compile_cache_dir().parent / "graphs" / graph_key(model, example)
+                        self._stored[len(padding.ids)] = load_or_compile(model, example, path)
                     self._call(padding)
                     self.num_ready += 1
         except Exception:
             logger.exception("compiling decode steps failed; they run eagerly")
             return
+        finally:
+            self.done = True
         logger.info(
-            "compiled decode steps for batch sizes %s in %.1f s (cache: %s)",
+            "compiled decode steps for batch sizes %s in %.1f s (cache: %s%s)",
             self.sizes,
             time.monotonic() - start,
             os.environ["TORCHINDUCTOR_CACHE_DIR"],
+            ", whole graphs in graphs/" if store else "",
         )
 
     def fits(self, num_seqs: int, max_table_len: int) -> bool:
@@ -234,11 +264,21 @@ class DecodeGraphs:
         return self._call(pad)[:b]
 
     def _call(self, inputs: _Inputs) -> torch.Tensor:
-        """The compiled forward over block tables cut to the longest context (at least 2
-        blocks: dynamo specializes a dimension of size 1, which would compile a second graph)."""
+        """The compiled forward: a stored graph over the block tables' full width, or the
+        traced one over block tables cut to the longest context (at least 2 blocks: dynamo
+        specializes a dimension of size 1, which would compile a second graph)."""
+        stored = self._stored.get(len(inputs.ids))
+        if stored is not None:
+            return stored(self.model, *self._arguments(inputs, inputs.block_tables))
         blocks = max(2, -(-int(inputs.context_lens.max()) // self.block_size))
         tables = inputs.block_tables[:, :blocks]
         torch._dynamo.mark_dynamic(tables, 1)
+        return self.forward(*self._arguments(inputs, tables))
+
+    def _arguments(
+        self, inputs: _Inputs, tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The model's forward arguments for a decode step over these block tables."""
         meta = AttentionMetadata(
             slot_mapping=inputs.slots,
             num_decodes=inputs.ids.shape[0],
@@ -247,4 +287,4 @@ class DecodeGraphs:
             in_graph=True,
             paged_kernel=self.paged_kernel,
         )
-        return self.forward(inputs.ids, inputs.positions, meta)
+        return inputs.ids, inputs.positions, meta

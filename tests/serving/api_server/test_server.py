@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving.api_server.api_server import build_app
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model.decode_graphs import Progress
 from serving.model.tokenizer import Tokenizer
 
 MODEL = "tiny-moe"
@@ -81,6 +83,24 @@ async def test_models_and_health(client: httpx.AsyncClient) -> None:
     assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(MODEL, MAX_MODEL_LEN)]
     health = await client.get("/health")
     assert health.status_code == 200
+
+
+async def test_health_is_503_with_progress_while_warming(
+    aengine: AsyncEngine, tokenizer, monkeypatch
+) -> None:
+    """Not healthy until the decode graphs are compiled (vLLM's /health), with how far they
+    are; the tier answers requests meanwhile (eagerly)."""
+    warmups = iter([Progress(2, 6, done=False), Progress(6, 6, done=True)])
+    monkeypatch.setattr(aengine.engine, "warmup", lambda: next(warmups))
+    async with _client(build_app(aengine, tokenizer, MODEL)) as c:
+        warming = await c.get("/health")
+        assert_error(warming, 503, code="warming_up")
+        assert warming.json()["warmup"] == {"graphs_compiled": 2, "graphs_wanted": 6}
+        assert "2 of 6" in warming.json()["error"]["message"]
+        assert warming.headers["retry-after"] == "1"
+        assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
+        ready = await c.get("/health")
+        assert ready.status_code == 200 and ready.json() == {"status": "ok"}
 
 
 async def test_health_when_the_engine_is_dead(aengine: AsyncEngine, tokenizer) -> None:
@@ -415,3 +435,15 @@ async def test_disconnect_aborts(aengine: AsyncEngine, tokenizer: Tokenizer, str
         samples = _samples((await c.get("/metrics")).text)
     label = (("finished_reason", "abort"), ("model_name", MODEL))
     assert samples[("tierserve_request_success_total", label)] == 1
+
+
+def test_health_checks_stay_out_of_the_access_log() -> None:
+    from serving.api_server.api_server import _not_health_checks
+
+    def record(path: str) -> logging.LogRecord:
+        args = ("127.0.0.1:5", "GET", path, "1.1", 200)
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                                 args, None)  # fmt: skip
+
+    assert not _not_health_checks(record("/health"))
+    assert _not_health_checks(record("/v1/models"))

@@ -18,28 +18,36 @@ pytestmark = pytest.mark.slow
 CANNED = REPO / "loadtests" / "canned_tier.py"
 
 
-@pytest.fixture(scope="module")
-def config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A gateway config over two canned tiers (processes, 2 ms per token)."""
+def canned_tiers(directory: Path, warmup_s: float) -> tuple[Path, list[subprocess.Popen]]:
+    """A gateway config over two canned tiers (processes, 2 ms per token) whose /health says
+    they warm up for `warmup_s` after they start, as compiling tiers do."""
     tiers, processes = {}, []
     for tier in ("full", "highspeed"):
         port = free_port()
         command = [sys.executable, str(CANNED), "--port", str(port), "--token-delay-ms", "2"]
-        processes.append(subprocess.Popen(command))
+        processes.append(subprocess.Popen([*command, "--warmup-s", str(warmup_s)]))
         base_url = f"http://127.0.0.1:{port}/v1"
         tiers[tier] = {"engine": "remote", "base_url": base_url, "model": f"canned-{tier}"}
-    path = tmp_path_factory.mktemp("loadtest") / "gateway.yaml"
+    path = directory / "gateway.yaml"
     path.write_text(yaml.safe_dump({"tiers": tiers, "router": {"policy": "heuristic"}}))
+    return path, processes
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Tiers that warm up for 6 s: the first load test must wait for them, or its requests
+    would wait at the gateway (up to 10 s, then 503) and miss its SLOs."""
+    path, processes = canned_tiers(tmp_path_factory.mktemp("loadtest"), warmup_s=6)
     yield path
     for process in processes:
         process.terminate()
         process.wait(timeout=30)
 
 
-def loadtest(config: Path, out: Path, *slo: str) -> subprocess.CompletedProcess:
+def loadtest(config: Path, out: Path, *options: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-c", "from serving.cli import main; main()", "loadtest"]
     command += ["--config", str(config), "--users", "4", "--spawn-rate", "4", "--duration", "4"]
-    command += ["--out", str(out), *slo]
+    command += ["--out", str(out), *options]
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
@@ -61,3 +69,17 @@ def test_a_missed_slo_exits_non_zero(config: Path, tmp_path: Path):
     result = loadtest(config, tmp_path, "--slo-ttft-p99-ms", "0.001")
     assert result.returncode == 1
     assert "SLO missed: p99 TTFT on" in result.stderr
+
+
+def test_tiers_never_ready_fail_with_a_clear_message(tmp_path: Path):
+    config, processes = canned_tiers(tmp_path, warmup_s=3600)
+    try:
+        result = loadtest(config, tmp_path / "out", "--ready-timeout", "15")
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=30)
+    assert result.returncode != 0
+    assert "tiers not ready after 15 s (--ready-timeout)" in result.stderr, result.stderr
+    assert "full warming 0/6" in result.stderr
+    assert not (tmp_path / "out" / "summary.json").exists()

@@ -1,5 +1,6 @@
 """Compiled decode steps (`serving/model/decode_graphs.py`): the same greedy tokens as eager
-steps, padding rows that leave every sequence's cache alone, and the compile cache on disk.
+steps, padding rows that leave every sequence's cache alone, the compile cache on disk, and
+whole graphs stored there that a restart loads without tracing (`precompiled.py`).
 
 One tiny model and one padded batch size keep the compilation short (tens of seconds cold)."""
 
@@ -51,8 +52,12 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch, fp4
     )
     assert any(isinstance(m, QuantizedWeight) for m in compiled.model.modules()) == fp4
     graphs = compiled.runner.graphs
+    # Warming while the graph compiles (seconds at least: its thread first imports dynamo).
+    assert compiled.warmup() == (0, 1, False)
     graphs.wait()
     assert graphs.num_ready == 1
+    assert compiled.warmup() == (1, 1, True)
+    assert eager.warmup().done  # nothing to compile
     compiled_frames = counters["frames"]["total"]
     sizes = []
     run = graphs.run
@@ -68,6 +73,19 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch, fp4
         torch.testing.assert_close(b.self_attn.k_cache[:n], a.self_attn.k_cache)
         torch.testing.assert_close(b.self_attn.v_cache[:n], a.self_attn.v_cache)
     assert any((tmp_path / "cache" / "inductor").iterdir())
+    # A restart loads the whole graph from disk (`precompiled`): nothing is traced again.
+    [stored] = (tmp_path / "cache" / "graphs").iterdir()
+    frames = counters["frames"]["total"]
+    restarted = LLMEngine(
+        load_checkpoint(ckpt, keep_fp4=fp4),
+        EngineConfig(**config, enforce_eager=False),
+        eos_token_ids=[],
+    )
+    restarted.runner.graphs.wait()
+    assert restarted.warmup() == (1, 1, True)
+    assert counters["frames"]["total"] == frames
+    assert [o[0].token_ids for o in restarted.generate(ps, params)] == want
+    assert [p.name for p in (tmp_path / "cache" / "graphs").iterdir()] == [stored.name]
 
 
 @pytest.mark.slow
