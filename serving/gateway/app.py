@@ -14,7 +14,6 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
@@ -30,6 +29,7 @@ from serving.api_server.api_server import install_error_handlers
 from serving.api_server.auth import APIKeyAuth
 from serving.api_server.responses import ModelCard, ModelList
 from serving.api_server.serving_engine import APIError
+from serving.gateway import tier_endpoints
 from serving.gateway.admission import Admission, Overloaded
 from serving.gateway.config import GatewayConfig
 from serving.gateway.metrics import GatewayMetrics
@@ -272,39 +272,6 @@ class Gateway:
             return content, data
         return result.response.content, result.data
 
-    async def forward_tokenizer(self, path: str, body: dict[str, Any]) -> Response:
-        """/tokenize and /detokenize, answered by the named tier (the full tier for `auto`;
-        both tiers share one tokenizer)."""
-        model = body.get("model")
-        tier = "full" if model in (None, AUTO_MODEL) else self.router.model_tiers.get(model)
-        if tier is None:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model",
-                           code="model_not_found")  # fmt: skip
-        upstream = self.upstreams[tier]
-        address, payload = upstream.server_root + path, upstream_payload(body, upstream.model)
-        try:
-            result = await post(upstream, address, payload, {}, stream=False)
-        except UpstreamFailure as e:
-            raise APIError(502, str(e), type="server_error") from e
-        await result.close()
-        return Response(
-            result.response.content,
-            result.response.status_code,
-            media_type=result.response.headers.get("content-type"),
-        )
-
-    async def tier_metrics(self, tier: str) -> Response:
-        upstream = self.upstreams.get(tier)  # type: ignore[call-overload]
-        if upstream is None:
-            raise APIError(404, f"No tier {tier!r}; tiers: {', '.join(TIERS)}")
-        try:
-            response = await upstream.client.get(upstream.metrics_url, timeout=5.0)
-        except httpx.HTTPError as e:
-            raise APIError(
-                502, f"{tier} tier metrics unavailable: {e!r}", type="server_error"
-            ) from e
-        return Response(response.content, response.status_code, media_type=CONTENT_TYPE_LATEST)
-
     def health(self) -> JSONResponse:
         tiers = {tier: u.describe() for tier, u in self.upstreams.items()}
         status = gateway_status(self.upstreams)
@@ -376,11 +343,15 @@ def build_gateway_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizerBody) -> Response:
-        return await gateway.forward_tokenizer("/tokenize", body.model_dump(exclude_unset=True))
+        return await tier_endpoints.forward_tokenizer(
+            gateway.upstreams, gateway.router, "/tokenize", body
+        )
 
     @app.post("/detokenize")
     async def detokenize(body: TokenizerBody) -> Response:
-        return await gateway.forward_tokenizer("/detokenize", body.model_dump(exclude_unset=True))
+        return await tier_endpoints.forward_tokenizer(
+            gateway.upstreams, gateway.router, "/detokenize", body
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -392,7 +363,7 @@ def build_gateway_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/metrics/tiers/{tier}")
     async def tier_metrics(tier: str) -> Response:
-        return await gateway.tier_metrics(tier)
+        return await tier_endpoints.tier_metrics(gateway.upstreams, tier)
 
     return app
 
