@@ -36,6 +36,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -95,12 +96,12 @@ const Format& format_of(const std::string& name) {
 #if defined(CPU_CAPABILITY_AVX512)
 struct Decoder {
   __m512 table;
-  const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
   void set_scale(float s) { table = _mm512_mul_ps(_mm512_load_ps(kE2M1), _mm512_set1_ps(s)); }
   Vec operator()(const uint8_t* p) const {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     // Each byte twice, widened to 32 bits, the second copy shifted to its high nibble:
     // `vpermps` reads the low 4 bits of each lane.
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
     const __m512i codes =
         _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes)), shifts);
     return _mm512_permutexvar_ps(codes, table);
@@ -109,14 +110,14 @@ struct Decoder {
 #elif defined(CPU_CAPABILITY_AVX2)
 struct Decoder {
   __m256 table;  // the 8 magnitudes times the scale
-  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
   void set_scale(float s) { table = _mm256_mul_ps(_mm256_load_ps(kE2M1), _mm256_set1_ps(s)); }
   Vec operator()(const uint8_t* p) const {
     int32_t word;
     std::memcpy(&word, p, 4);
     // Code i in the low bits of lane i: `vpermps` reads 3 of them, the magnitude; the
     // fourth, the sign, goes to bit 31.
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
     const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(word), shifts);
     const __m256i sign_bits = _mm256_and_si256(_mm256_slli_epi32(codes, 28), sign);
     return _mm256_xor_ps(_mm256_permutevar8x32_ps(table, codes), _mm256_castsi256_ps(sign_bits));
@@ -150,52 +151,66 @@ struct WeightRow {
   float row_scale;
 };
 
-// y[r * ldy] = row_scale * x_r . w for the R rows x_r = x + r * ldx. Each decoded vector of w
-// goes into every row; with fewer rows, several vectors run at once (A partial sums a row),
-// so the fused multiply-adds do not wait on one another.
-template <int64_t R, int64_t kBlock>
-inline void dot_tile(const float* x, int64_t ldx, const WeightRow& w, const Format& f, int64_t K,
+// y[r * ldy + j] = row_scale_j * x_r . w_j for R activation rows x_r = x + r * ldx and NR
+// weight rows w_j. Each decoded vector of w_j goes into every activation row, and each loaded
+// activation vector into every weight row; the R * NR sums are independent, so the fused
+// multiply-adds do not wait on one another, and a tile's setup and final lane sums are shared.
+template <int64_t R, int64_t NR, int64_t kBlock>
+inline void dot_tile(const float* x, int64_t ldx, const WeightRow* w, const Format& f, int64_t K,
                      float* y, int64_t ldy) {
-  constexpr int64_t A = R >= 4 ? 1 : 4 / R;
-  Vec acc[R][A];
+  Vec acc[R][NR];
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t a = 0; a < A; ++a) acc[r][a] = Vec(0.0f);
-  Decoder dec;
-  auto step = [&](int64_t k, int64_t a) {
-    if (k % kBlock == 0) dec.set_scale(f.scale_of[w.scales[k / kBlock]]);
-    const Vec v = dec(w.codes + k / 2);
-    for (int64_t r = 0; r < R; ++r)
-      acc[r][a] = at::vec::fmadd(Vec::loadu(x + r * ldx + k), v, acc[r][a]);
-  };
-  int64_t k = 0;
-  for (; k + A * kLanes <= K; k += A * kLanes)
-    for (int64_t a = 0; a < A; ++a) step(k + a * kLanes, a);
-  for (; k < K; k += kLanes) step(k, 0);
-  for (int64_t r = 0; r < R; ++r) {
-    Vec sum = acc[r][0];
-    for (int64_t a = 1; a < A; ++a) sum = sum + acc[r][a];
-    y[r * ldy] = lane_sum(sum) * w.row_scale;
+    for (int64_t j = 0; j < NR; ++j) acc[r][j] = Vec(0.0f);
+  Decoder dec[NR];
+  for (int64_t k = 0; k < K; k += kLanes) {
+    if (k % kBlock == 0)
+      for (int64_t j = 0; j < NR; ++j) dec[j].set_scale(f.scale_of[w[j].scales[k / kBlock]]);
+    Vec xv[R];
+    for (int64_t r = 0; r < R; ++r) xv[r] = Vec::loadu(x + r * ldx + k);
+    for (int64_t j = 0; j < NR; ++j) {
+      const Vec v = dec[j](w[j].codes + k / 2);
+      for (int64_t r = 0; r < R; ++r) acc[r][j] = at::vec::fmadd(xv[r], v, acc[r][j]);
+    }
   }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < NR; ++j) y[r * ldy + j] = lane_sum(acc[r][j]) * w[j].row_scale;
 }
 
-// y[r, 0] for rows rows of x (stride ldx) against one weight row, in tiles of kMaxTile.
+// Weight rows a work item takes at once: what the tiles of one or two activation rows use.
+constexpr int64_t kRowGroup = 4;
+
+// y[r * ldy + j] for `rows` rows of x (stride ldx) against n weight rows w_j (n <= kRowGroup):
+// one or two activation rows run against 4 or 2 weight rows at a time (their sums in
+// registers); more run in tiles of up to kMaxTile rows, one weight row at a time.
 template <int64_t kBlock>
-void dot_rows(const float* x, int64_t ldx, int64_t rows, const WeightRow& w, const Format& f,
-              int64_t K, float* y, int64_t ldy) {
-  int64_t r = 0;
-  for (; r + kMaxTile <= rows; r += kMaxTile)
-    dot_tile<kMaxTile, kBlock>(x + r * ldx, ldx, w, f, K, y + r * ldy, ldy);
-  const float* xr = x + r * ldx;
-  float* yr = y + r * ldy;
-  switch (rows - r) {
-    case 1: return dot_tile<1, kBlock>(xr, ldx, w, f, K, yr, ldy);
-    case 2: return dot_tile<2, kBlock>(xr, ldx, w, f, K, yr, ldy);
-    case 3: return dot_tile<3, kBlock>(xr, ldx, w, f, K, yr, ldy);
-    case 4: return dot_tile<4, kBlock>(xr, ldx, w, f, K, yr, ldy);
-    case 5: return dot_tile<5, kBlock>(xr, ldx, w, f, K, yr, ldy);
-    case 6: return dot_tile<6, kBlock>(xr, ldx, w, f, K, yr, ldy);
-    case 7: return dot_tile<7, kBlock>(xr, ldx, w, f, K, yr, ldy);
-    default: return;
+void dot_rows(const float* x, int64_t ldx, int64_t rows, const WeightRow* w, int64_t n,
+              const Format& f, int64_t K, float* y, int64_t ldy) {
+  if (rows <= 2) {
+    int64_t j = 0;
+    for (; rows == 1 && j + 4 <= n; j += 4) dot_tile<1, 4, kBlock>(x, ldx, w + j, f, K, y + j, ldy);
+    for (; rows == 2 && j + 2 <= n; j += 2) dot_tile<2, 2, kBlock>(x, ldx, w + j, f, K, y + j, ldy);
+    for (; j < n; ++j) {
+      if (rows == 1) dot_tile<1, 1, kBlock>(x, ldx, w + j, f, K, y + j, ldy);
+      else dot_tile<2, 1, kBlock>(x, ldx, w + j, f, K, y + j, ldy);
+    }
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t r = 0;
+    for (; r + kMaxTile <= rows; r += kMaxTile)
+      dot_tile<kMaxTile, 1, kBlock>(x + r * ldx, ldx, w + j, f, K, y + r * ldy + j, ldy);
+    const float* xr = x + r * ldx;
+    float* yr = y + r * ldy + j;
+    switch (rows - r) {
+      case 1: dot_tile<1, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
+      case 2: dot_tile<2, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
+      case 3: dot_tile<3, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
+      case 4: dot_tile<4, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
+      case 5: dot_tile<5, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
+      case 6: dot_tile<6, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
+      case 7: dot_tile<7, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
+      default: break;
+    }
   }
 }
 
@@ -218,21 +233,24 @@ struct Segment {
   int64_t group, begin, count;
 };
 
-// out[s.begin + r, n] = x[s.begin + r] . W[s.group, n] for every segment, the segments' output
-// rows (segment, n) split over the threads.
+// out[s.begin + r, n] = x[s.begin + r] . W[s.group, n] for every segment, the segments' groups
+// of kRowGroup output rows split over the threads.
 void segmented_product(const float* x, const Matrix& m, const std::vector<Segment>& segments,
                        float* out) {
-  const int64_t total = static_cast<int64_t>(segments.size()) * m.N;
-  at::parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
+  const int64_t groups = (m.N + kRowGroup - 1) / kRowGroup;
+  const int64_t total = static_cast<int64_t>(segments.size()) * groups;
+  at::parallel_for(0, total, 4, [&](int64_t begin, int64_t end) {
+    WeightRow w[kRowGroup];
     for (int64_t i = begin; i < end; ++i) {
-      const Segment& s = segments[i / m.N];
-      const int64_t n = i % m.N;
+      const Segment& s = segments[i / groups];
+      const int64_t n0 = (i % groups) * kRowGroup, n = std::min(kRowGroup, m.N - n0);
+      for (int64_t j = 0; j < n; ++j) w[j] = m.row(s.group, n0 + j);
       const float* xs = x + s.begin * m.K;
-      float* ys = out + s.begin * m.N + n;
+      float* ys = out + s.begin * m.N + n0;
       if (m.f->block == 32)
-        dot_rows<32>(xs, m.K, s.count, m.row(s.group, n), *m.f, m.K, ys, m.N);
+        dot_rows<32>(xs, m.K, s.count, w, n, *m.f, m.K, ys, m.N);
       else
-        dot_rows<16>(xs, m.K, s.count, m.row(s.group, n), *m.f, m.K, ys, m.N);
+        dot_rows<16>(xs, m.K, s.count, w, n, *m.f, m.K, ys, m.N);
     }
   });
 }
@@ -280,9 +298,13 @@ at::Tensor linear(const at::Tensor& x, const std::string& format, const at::Tens
   return out;
 }
 
+// The grain of the element-wise steps: rows that run on one thread. A decode step's 1-64 slots
+// then take no parallel region for them, only the products do.
+constexpr int64_t kRowGrain = 64;
+
 // silu(gate) * up of h [S, 2I] (gate columns first) into a [S, I], as torch's silu: g / (1 + e^-g).
 void silu_and_mul(const float* h, float* a, int64_t S, int64_t I) {
-  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, S, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const float* g = h + s * 2 * I;
       const float* u = g + I;
@@ -341,7 +363,7 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Te
   }
   const float* xp = x.data_ptr<float>();
   std::vector<float> xs(S * H), h(S * 2 * I), a(S * I), y(S * H);
-  at::parallel_for(0, S, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, S, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       std::memcpy(&xs[p * H], xp + (sorted[p] / top_k) * H, H * sizeof(float));
   });
@@ -351,7 +373,7 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Te
   at::Tensor out = at::empty({T, H}, x.options());
   float* o = out.data_ptr<float>();
   const float* w = topk_weights.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* ot = o + t * H;
       for (int64_t j = 0; j < top_k; ++j) {
