@@ -234,7 +234,7 @@ class DPOTrainer(Trainer):
         if not path.exists():
             build_pairs(config, tokenizer, path)
         self.config, self.tokenizer = config, tokenizer
-        model = load_checkpoint(config.init)
+        model = load_checkpoint(config.init, keep_fp4=False)  # trained: plain weights
         super().__init__(
             model,
             config.train,

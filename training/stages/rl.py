@@ -127,7 +127,7 @@ class RLTrainer(Trainer):
             dict(config.data.mix), fixed=config.rl.domain_weighting == "fixed"
         )
         self.step_stats: dict[str, float] = {}
-        model = load_checkpoint(config.init)
+        model = load_checkpoint(config.init, keep_fp4=False)  # trained: plain weights
         super().__init__(model, config.train, None, out_dir, rl_loss(config), evaluate, "rl")
 
     def state(self, step: int) -> dict[str, Any]:

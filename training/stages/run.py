@@ -312,7 +312,7 @@ def run_stage(config: StageConfig, out_dir: Path) -> Path:
             _build_once(path, lambda: target_completions(reference, path, config.init, cfg.seq_len))
         dataset = SFTDataset(path, pad_id)
         if config.stage == "sft":
-            model = load_checkpoint(config.init)
+            model = load_checkpoint(config.init, keep_fp4=False)  # trained: plain weights
             if config.keep_layers is not None:
                 model = keep_layers(model, config.keep_layers)
             if config.qat.format is not None:

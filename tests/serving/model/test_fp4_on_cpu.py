@@ -176,3 +176,24 @@ def test_nan_scales_are_refused(quantized, tmp_path):
 
     with pytest.raises(CheckpointError, match=f"{scale}: NaN block scales"):
         load_checkpoint(_corrupt(quantized["mxfp4"], tmp_path / "nan", tensors=nan))
+
+
+def test_where_the_ops_cannot_be_built_one_warning_says_fp4_is_dequantized(
+    quantized, monkeypatch, caplog
+):
+    """No C++ compiler: one warning naming what runs instead, and the checkpoint is loaded
+    dequantized (plain weights), never served through a half-built op."""
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: c++: not found")
+
+    monkeypatch.setattr(cpu_fp4, "_built", None)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    model = load_checkpoint(quantized["mxfp4"])
+    assert not any(isinstance(m, (FP4Linear, QuantizedWeight)) for m in model.modules())
+    assert model.config.quantization is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert "fp4_gemm.cpp could not be built" in warnings[0]
+    assert "dequantized at load" in warnings[0]
