@@ -21,7 +21,7 @@
 //
 // - AVX-512: 16 codes a vector, the 16-entry signed table in one zmm (`vpermps` reads 4 bits);
 // - AVX2: 8 codes a vector, the 8 magnitudes in one ymm (`vpermps` reads 3 bits) and the
-//   sign bit moved into place;
+//   sign bit moved into place by the same xor that undoes the table's index bits;
 // - elsewhere (ATen's DEFAULT capability): a scalar lookup into a 16-float table per vector.
 // Sums and fused multiply-adds are ATen's vector types, as in paged_attention.cpp.
 //
@@ -109,18 +109,23 @@ struct Decoder {
 };
 #elif defined(CPU_CAPABILITY_AVX2)
 struct Decoder {
-  __m256 table;  // the 8 magnitudes times the scale
-  void set_scale(float s) { table = _mm256_mul_ps(_mm256_load_ps(kE2M1), _mm256_set1_ps(s)); }
+  // The 8 magnitudes times the scale, entry i with its bits 28-30 flipped by i (see below).
+  __m256 table;
+  void set_scale(float s) {
+    const __m256i index_bits = _mm256_slli_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), 28);
+    const __m256 scaled = _mm256_mul_ps(_mm256_load_ps(kE2M1), _mm256_set1_ps(s));
+    table = _mm256_xor_ps(scaled, _mm256_castsi256_ps(index_bits));
+  }
   Vec operator()(const uint8_t* p) const {
     int32_t word;
     std::memcpy(&word, p, 4);
-    // Code i in the low bits of lane i: `vpermps` reads 3 of them, the magnitude; the
-    // fourth, the sign, goes to bit 31.
+    // Code i in the low bits of lane i: `vpermps` reads 3 of them, the magnitude's entry.
+    // The code shifted left by 28 holds the sign in bit 31 and the entry's index in bits
+    // 28-30, which the table flipped: one xor sets the sign and restores those bits.
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
     const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(word), shifts);
-    const __m256i sign_bits = _mm256_and_si256(_mm256_slli_epi32(codes, 28), sign);
-    return _mm256_xor_ps(_mm256_permutevar8x32_ps(table, codes), _mm256_castsi256_ps(sign_bits));
+    const __m256 entry = _mm256_permutevar8x32_ps(table, codes);
+    return _mm256_xor_ps(entry, _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
   }
 };
 #else
