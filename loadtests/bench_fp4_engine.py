@@ -130,7 +130,9 @@ def main() -> None:
         nbytes[name] = weight_bytes(model)
         expert_bytes[name] = weight_bytes(model, experts_only=True)
         # Compiled decode steps for every concurrency measured, as a tier serves.
-        config = EngineConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=1024)
+        config = EngineConfig(
+            max_num_seqs=max(args.concurrency), max_num_batched_tokens=1024, enforce_eager=False
+        )
         engines[name] = LLMEngine(model, config, [])
         if engines[name].runner.graphs:
             engines[name].runner.graphs.wait()
