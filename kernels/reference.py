@@ -1,4 +1,6 @@
-"""PyTorch reference of the fused kernels: the oracle of the Triton tests and the CPU path.
+"""PyTorch reference of the fused kernels: the oracle of the Triton and C++ kernels' tests,
+and the CPU path for FP4 weights kept FP4 where the C++ ops (`kernels/cpu_fp4.py`) cannot be
+built.
 
 Weights are dequantized per call, only the experts a step uses, so FP4 weights stay FP4 in
 memory; `loadtests/bench_kernels.py` measures this against the other CPU options.

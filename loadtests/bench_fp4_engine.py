@@ -1,25 +1,28 @@
 """FP4 checkpoints against the unquantized model in our engine, side by side in one run.
 
-On the common benchmark shape (`bench-moe-43m.json`, random weights), the fp32 checkpoint
-(in fp32 and in bf16) and its `tierserve quantize` copies (MXFP4 and NVFP4 experts; NVFP4 on
-every linear layer) are served by the same engine on CPU: greedy, prompts of 64-256 tokens,
-128 new tokens, 1/4/16 concurrent requests. The FP4 copies run two ways: with their FP4
-modules kept (`keep_fp4=True`, dequantizing per step) and as the CPU loads them by default,
-dequantized once at load to bf16. Prints the resident weight memory of each and its decode
-tokens/s (tokens generated once every request has its first token, over that time).
+On the common benchmark shape (`bench-moe-43m.json`, random weights) the engine serves, with
+compiled decode steps as a tier does: the fp32 checkpoint in fp32 and, where the CPU has
+native bf16, in bf16 (`--dtype bfloat16`); its bf16 copy as `--dtype auto` loads it (in
+bf16 where the CPU has native bf16; elsewhere fp32 compute with the decoder weights held in
+bf16 and widened as they are used: "bf16 held"); and its `tierserve quantize` copies, MXFP4
+and NVFP4 experts, with the rest in bf16 (as the shipped highspeed model) or fp32. The FP4
+copies run with their experts kept FP4 (the C++ ops of `kernels/cpu_fp4.py`, the default on
+a CPU) and, for MXFP4, dequantized at load (`keep_fp4=False`). Greedy, prompts of 64-256
+tokens, 128 new tokens, 1/4/16 concurrent requests. Prints each one's resident weight and
+expert memory and its decode tokens/s (tokens generated once every request has its first
+token, over that time), with ratios to fp32 and to bf16 held.
 
 With `--model DIR` (a bf16 checkpoint, FP4 or not: models/demo-highspeed, models/demo-full)
-it compares the ways that checkpoint can serve on this CPU instead, compiled as a server runs
-them: as `--dtype auto` loads it (in bf16 where the CPU has native bf16; where `auto` computes
-in fp32, the decoder weights held in bf16 and widened as they are used), for an FP4 checkpoint
-with its FP4 experts kept (dequantized per step), and widened at load to fp32 (`--dtype
-float32`).
+it compares the ways that checkpoint can serve on this CPU instead: as `--dtype auto` loads
+it, for an FP4 checkpoint also with its experts dequantized at load, and widened at load to
+fp32 (`--dtype float32`, dequantized).
 
     python loadtests/bench_fp4_engine.py [--concurrency 1 4 16] [--new-tokens 128]
     python loadtests/bench_fp4_engine.py --model models/demo-highspeed --concurrency 1 4
 """
 
 import argparse
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -28,47 +31,57 @@ import torch
 from bench_engine import build_checkpoint, make_prompts
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
-from serving.model.checkpoint import load_checkpoint, quantize_checkpoint
+from serving.model.checkpoint import load_checkpoint, quantize_checkpoint, save_checkpoint
 from serving.model.config import ModelConfig
+from serving.model.dtype import is_supported
 from serving.sampling.params import SamplingParams
 
-VARIANTS = {  # name: (format, all_linear), None for the unquantized checkpoint
-    "fp32": None,
-    "mxfp4 experts": ("mxfp4", False),
-    "nvfp4 experts": ("nvfp4", False),
-    "nvfp4 all linear": ("nvfp4", True),
+VARIANTS = {  # name: (format, rest dtype), (None, dtype) for an unquantized copy
+    "fp32": (None, torch.float32),
+    "bf16": (None, torch.bfloat16),
+    "mxfp4 experts, fp32 rest": ("mxfp4", torch.float32),
+    "mxfp4 experts, bf16 rest": ("mxfp4", torch.bfloat16),
+    "nvfp4 experts, bf16 rest": ("nvfp4", torch.bfloat16),
 }
 
 
-# row: (checkpoint variant, dtype, keep_fp4)
+# row: (checkpoint variant, --dtype, keep_fp4)
 ROWS = {
-    "fp32": ("fp32", torch.float32, None),
-    "bf16": ("fp32", torch.bfloat16, None),
-    "mxfp4 experts, FP4 per step": ("mxfp4 experts", torch.float32, True),
-    "nvfp4 experts, FP4 per step": ("nvfp4 experts", torch.float32, True),
-    "nvfp4 all linear, FP4 per step": ("nvfp4 all linear", torch.float32, True),
-    "nvfp4 all linear, dequantized at load to bf16": ("nvfp4 all linear", torch.bfloat16, None),
+    "fp32": ("fp32", "float32", None),
+    "bf16 (--dtype bfloat16)": ("fp32", "bfloat16", None),
+    "bf16 held (auto)": ("bf16", "auto", None),
+    "mxfp4 experts kept FP4, fp32 rest": ("mxfp4 experts, fp32 rest", "float32", None),
+    "mxfp4 experts kept FP4, bf16 held rest (auto)": ("mxfp4 experts, bf16 rest", "auto", None),
+    "nvfp4 experts kept FP4, bf16 held rest (auto)": ("nvfp4 experts, bf16 rest", "auto", None),
+    "mxfp4 experts dequantized at load (auto)": ("mxfp4 experts, bf16 rest", "auto", False),
 }
 
 
 def variant_checkpoints(full: Path) -> dict[str, Path]:
-    """Each variant's checkpoint directory, quantized from `full` on first use into the
+    """Each variant's checkpoint directory, written from `full` on first use into the
     system's temporary directory (never beside `full`, which may be a shipped model)."""
     cache = Path(tempfile.gettempdir()) / "tierserve-fp4-variants"
     paths = {}
-    for name, variant in VARIANTS.items():
+    for name, (fmt, dtype) in VARIANTS.items():
         path = full
-        if variant is not None:
-            path = cache / f"{full.name}-{name.replace(' ', '-')}"
+        if name != "fp32":
+            path = cache / f"{full.name}-{name.replace(' ', '-').replace(',', '')}"
             if not (path / "model.safetensors").exists():
-                quantize_checkpoint(full, path, *variant)
+                if fmt is None:
+                    save_checkpoint(load_checkpoint(full, dtype), path, tokenizer_dir=full)
+                else:
+                    quantize_checkpoint(full, path, fmt, all_linear=False, dtype=dtype)
         paths[name] = path
     return paths
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Parameters and persistent buffers (FP4 codes and scales), each tensor counted once."""
-    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
+def weight_bytes(model: torch.nn.Module, experts_only: bool = False) -> int:
+    """Parameters and persistent buffers (FP4 codes and scales), each tensor counted once;
+    with `experts_only` the expert weights alone."""
+    state = model.state_dict()
+    if experts_only:
+        state = {k: v for k, v in state.items() if re.search(r"\.mlp\.(gate_up|down)\b", k)}
+    tensors = {t.data_ptr(): t for t in state.values()}
     return sum(t.nbytes for t in tensors.values())
 
 
@@ -102,19 +115,23 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     full = args.model or build_checkpoint(args.checkpoint)
-    engines, nbytes = {}, {}
+    engines, nbytes, expert_bytes = {}, {}, {}
     if args.model:
-        rows = {"fp32": (full, "float32", None), "auto": (full, "auto", None)}
+        rows = {"fp32": (full, "float32", False), "auto": (full, "auto", None)}
         if ModelConfig.from_file(full / "config.json").quantization is not None:
-            rows["auto, FP4 kept"] = (full, "auto", True)
+            rows["auto, FP4 dequantized at load"] = (full, "auto", False)
     else:
         paths = variant_checkpoints(full)
         rows = {name: (paths[variant], *how) for name, (variant, *how) in ROWS.items()}
+        if not is_supported(torch.bfloat16):  # --dtype bfloat16 is refused without native bf16
+            del rows["bf16 (--dtype bfloat16)"]
     for name, (path, dtype, keep_fp4) in rows.items():
         model = load_checkpoint(path, dtype, keep_fp4=keep_fp4)
         nbytes[name] = weight_bytes(model)
+        expert_bytes[name] = weight_bytes(model, experts_only=True)
+        # Compiled decode steps for every concurrency measured, as a tier serves.
         config = EngineConfig(
-            max_num_seqs=64, max_num_batched_tokens=1024, enforce_eager=not args.model
+            max_num_seqs=max(args.concurrency), max_num_batched_tokens=1024, enforce_eager=False
         )
         engines[name] = LLMEngine(model, config, [])
         if engines[name].runner.graphs:
@@ -138,15 +155,21 @@ def main() -> None:
         f"\n{full.name}: greedy, prompts of 64-256 tokens, {args.new_tokens} new tokens, "
         f"{torch.get_num_threads()} threads, best of {args.repeats}"
     )
-    head = " | ".join(f"decode tok/s, {c} concurrent" for c in args.concurrency)
-    print(f"| model | weight MiB | vs fp32 | {head} |")
+    base = "bf16 held (auto)" if "bf16 held (auto)" in engines else "auto"
+    print(f"(decode tok/s, x fp32, x {base})")
+    head = " | ".join(f"{c} concurrent" for c in args.concurrency)
+    print(f"| model | weight MiB | expert MiB (x fp32) | {head} |")
     print("|---|---|---|" + "---|" * len(args.concurrency))
     for name in engines:
         cells = " | ".join(
-            f"{s:.0f} ({s / b:.2f}x)" for s, b in zip(speeds[name], speeds["fp32"], strict=True)
+            f"{s:.0f} ({s / f:.2f}x, {s / b:.2f}x)"
+            for s, f, b in zip(speeds[name], speeds["fp32"], speeds[base], strict=True)
         )
-        ratio = nbytes[name] / nbytes["fp32"]
-        print(f"| {name} | {nbytes[name] / 2**20:.1f} | {ratio:.2f}x | {cells} |")
+        ratio = expert_bytes[name] / expert_bytes["fp32"]
+        print(
+            f"| {name} | {nbytes[name] / 2**20:.1f} | {expert_bytes[name] / 2**20:.1f} "
+            f"({ratio:.2f}x) | {cells} |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,23 +1,26 @@
-"""FP4 kernels: the CPU options for serving FP4 expert weights and, on a CUDA GPU, the
-Triton kernels against bf16 PyTorch.
+"""FP4 kernels: the CPU options for serving FP4 weights and, on a CUDA GPU, the Triton kernels
+against bf16 PyTorch.
 
 CPU (always): one MoE layer call of the benchmark shape (16 experts, hidden 256, expert
 intermediate 384, top-2), 8 layers' worth of weights cycled so they do not stay in cache,
-at 1, 4, 16 tokens (decode) and 256 (a prefill chunk), for each way to run FP4 weights:
+at 1, 4, 16, 32 tokens (decode) and 256 (a prefill chunk), for each way to run the experts:
 
-- dequantize at load: fp32 weights resident (the unquantized path), 8x the FP4 memory;
-- dequantize per step, nibbles: unpack, decode and scale the used experts each call;
-- dequantize per step, lookup table: one gather per byte through the 64K-entry
-  (scale byte, code byte) -> value pair table (`kernels.formats.scaled_pair_table`);
-- compiled fused dequant-matmul: torch.compile of decode + scale + multiply + reduce, so
-  the dequantized weight is never materialised.
+- dense fp32 weights (FP4 dequantized at load), and dense bf16 weights held in bf16 and
+  widened as they are used, each as eager steps run them (`grouped_experts`) and as the
+  compiled decode steps do (`gathered_experts` under `torch.compile`, decode sizes only);
+- FP4 dequantized per step through the lookup table (`kernels.reference.fp4_moe`);
+- FP4 kept FP4: the C++ op (`kernels.cpu_fp4.fp4_moe`), which decodes each block in
+  registers inside its products;
+
+and one FP4 projection of the benchmark's dense-MLP shape (W [2048, 256]) through the C++ op
+against `F.linear` on fp32 weights and on bf16 weights widened per call, at 1-32 rows.
 
 CUDA (when present): the Triton W4A16 GEMM and fused MoE against bf16 `F.linear` and the
 bf16 grouped experts, at decode and prefill sizes, with the weight bytes each reads per
 second as a fraction of the device's copy bandwidth. Under TRITON_INTERPRET=1 on CPU the
 same section runs once on tiny shapes to exercise it (its times mean nothing).
 
-    python loadtests/bench_kernels.py [--format mxfp4|nvfp4]
+    python loadtests/bench_kernels.py [--format mxfp4|nvfp4] [--threads 2]
 """
 
 import argparse
@@ -27,10 +30,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.formats import FP4Tensor, block_scale_values, quantize_mxfp4, quantize_nvfp4
-from kernels.fp4 import decode_e2m1, unpack_fp4
-from kernels.reference import fp4_moe, silu_and_mul
-from serving.model.moe import grouped_experts, route
+from kernels import cpu_fp4
+from kernels.formats import FP4Tensor, quantize_mxfp4, quantize_nvfp4
+from kernels.reference import fp4_moe
+from serving.model.moe import gathered_experts, grouped_experts, route
 
 EXPERTS, HIDDEN, INTER, TOP_K, LAYERS = 16, 256, 384, 2, 8
 QUANTIZE = {"mxfp4": quantize_mxfp4, "nvfp4": quantize_nvfp4}
@@ -49,86 +52,81 @@ def best_seconds(fn, repeats: int = 5) -> float:
     return min(times)
 
 
-def fused_dequant_matmul(x, packed, scales, row_scale):
-    """x [T, K] @ W.t() for W given as codes, fp32 block scales and a row scale [N], as one
-    reduction that inductor fuses with the decoding."""
-    values = decode_e2m1(unpack_fp4(packed))
-    w = (values.unflatten(-1, (scales.shape[-1], -1)) * scales[..., None]).flatten(-2)
-    return (x[:, None, :] * w[None]).sum(-1) * row_scale
-
-
-def fp32_scaled(t: FP4Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Expert e's codes, block scales and row scale (ones for MXFP4) as the fused op takes them."""
-    rows = t.packed.shape[1]
-    row_scale = torch.ones(rows) if t.row_scale is None else t.row_scale[e]
-    return t.packed[e], block_scale_values(t.scales[e], t.format), row_scale
-
-
-def compiled_moe(fused):
-    """The reference MoE's loop with each expert's MLP as compiled fused dequant-matmuls."""
-
-    def moe(x, topk_weights, topk_ids, gate_up: FP4Tensor, down: FP4Tensor):
-        flat = topk_ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=EXPERTS).tolist()
-        token_of = order // topk_ids.shape[1]
-        xs = x.index_select(0, token_of)
-        out = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                seg = slice(start, start + n)
-                h = silu_and_mul(fused(xs[seg], *fp32_scaled(gate_up, e)))
-                out[seg] = fused(h, *fp32_scaled(down, e))
-                start += n
-        slot_weights = topk_weights.flatten()[order].unsqueeze(-1)
-        return torch.zeros_like(x).index_add_(0, token_of, out * slot_weights)
-
-    return moe
-
-
-def cpu_options(fmt: str) -> None:
+def cpu_experts(fmt: str) -> None:
     g = torch.Generator().manual_seed(0)
     layers = []
     for _ in range(LAYERS):
         gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.02
         down = torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.02
-        packed = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in (gate_up, down)]
-        layers.append((packed, (QUANTIZE[fmt](gate_up), QUANTIZE[fmt](down))))
-    fp32_bytes = sum(w.nbytes for (full, _) in layers for w in full)
-    fp4_bytes = sum(t.nbytes() for (_, q) in layers for t in q)
-    compiled = compiled_moe(torch.compile(fused_dequant_matmul, dynamic=True))
-    options = {
-        "dequantize at load (fp32)": (
-            fp32_bytes,
-            lambda x, w, i, L: grouped_experts(x, w, i, *L[0]),
-        ),
-        "per step, nibbles": (fp4_bytes, lambda x, w, i, L: fp4_moe(x, w, i, *L[1], lookup=False)),
-        "per step, lookup table": (fp4_bytes, lambda x, w, i, L: fp4_moe(x, w, i, *L[1])),
-        "compiled fused dequant-matmul": (
-            fp4_bytes,
-            lambda x, w, i, L: compiled(x, w, i, *L[1]),
-        ),
+        layers.append(
+            {
+                "fp32": (gate_up, down),
+                "bf16": (gate_up.bfloat16(), down.bfloat16()),
+                "fp4": (QUANTIZE[fmt](gate_up), QUANTIZE[fmt](down)),
+            }
+        )
+    gathered = torch.compile(gathered_experts, dynamic=False)
+    options = {  # name: (weights, run, decode sizes only)
+        "fp32, eager (grouped)": ("fp32", grouped_experts, False),
+        "bf16 held, eager (grouped)": ("bf16", grouped_experts, False),
+        "fp32, compiled (gathered)": ("fp32", gathered, True),
+        "bf16 held, compiled (gathered)": ("bf16", gathered, True),
+        "FP4 dequantized per step (reference)": ("fp4", fp4_moe, False),
+        "FP4 kept FP4 (C++ op)": ("fp4", cpu_fp4.fp4_moe, False),
     }
-    tokens = (1, 4, 16, 256)
+    tokens = (1, 4, 16, 32, 256)
     print(
         f"\nCPU, {fmt}, {torch.get_num_threads()} threads: ms per MoE layer call (best of 5, "
-        f"each call cycles through {LAYERS} layers' weights)"
+        f"each call cycles through {LAYERS} layers' weights); (x): the C++ op's speed-up"
     )
-    print(
-        "| option | resident expert weights MiB | " + " | ".join(f"{t} tok" for t in tokens) + " |"
-    )
+    print("| experts | MiB resident | " + " | ".join(f"{t} tok" for t in tokens) + " |")
     print("|---|---|" + "---|" * len(tokens))
-    for name, (nbytes, run) in options.items():
-        cells = []
-        for t in tokens:
-            x = torch.randn(t, HIDDEN, generator=g)
-            w, ids = route(torch.randn(t, EXPERTS, generator=g), TOP_K, True)
-            seconds = best_seconds(
-                lambda x=x, w=w, ids=ids, run=run: [run(x, w, ids, L) for L in layers]
+    inputs = []
+    for t in tokens:
+        x = torch.randn(t, HIDDEN, generator=g)
+        inputs.append((x, *route(torch.randn(t, EXPERTS, generator=g), TOP_K, True)))
+    times = {}
+    for name, (kind, run, decode_only) in options.items():
+        times[name] = [
+            None
+            if decode_only and x.shape[0] > 32
+            else best_seconds(
+                lambda x=x, w=w, i=i, run=run, kind=kind: [run(x, w, i, *L[kind]) for L in layers]
             )
-            cells.append(f"{seconds / LAYERS * 1e3:.2f}")
+            / LAYERS
+            for x, w, i in inputs
+        ]
+    op = times["FP4 kept FP4 (C++ op)"]
+    for name, (kind, _, _) in options.items():
+        cells = [
+            "-" if t is None else f"{t * 1e3:.3f} ({t / o:.2f}x)"
+            for t, o in zip(times[name], op, strict=True)
+        ]
+        nbytes = sum(
+            t.nbytes() if isinstance(t, FP4Tensor) else t.nbytes for L in layers for t in L[kind]
+        )
         print(f"| {name} | {nbytes / 2**20:.1f} | " + " | ".join(cells) + " |", flush=True)
+
+
+def cpu_linear(fmt: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(2048, HIDDEN, generator=g) * 0.02 for _ in range(LAYERS)]
+    plain = {"fp32": weights, "bf16 held": [w.bfloat16() for w in weights]}
+    fp4 = [QUANTIZE[fmt](w) for w in weights]
+    print(
+        f"\nCPU, {fmt}: one projection W [2048, {HIDDEN}], us per call ({LAYERS} weights "
+        "cycled); (x): the C++ op's speed-up"
+    )
+    print("| rows | fp32 F.linear | bf16 held F.linear | FP4 kept FP4 (C++ op) |")
+    print("|---|---|---|---|")
+    for m in (1, 4, 16, 32):
+        x = torch.randn(m, HIDDEN, generator=g)
+        t_op = best_seconds(lambda x=x: [cpu_fp4.fp4_linear(x, w) for w in fp4]) / LAYERS
+        cells = []
+        for ws in plain.values():
+            t = best_seconds(lambda x=x, ws=ws: [F.linear(x, w.to(x.dtype)) for w in ws]) / LAYERS
+            cells.append(f"{t * 1e6:.1f} ({t / t_op:.2f}x)")
+        print(f"| {m} | " + " | ".join(cells) + f" | {t_op * 1e6:.1f} |", flush=True)
 
 
 def copy_bandwidth(device: str) -> float:
@@ -197,7 +195,10 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cpu_options(args.format)
+    if not cpu_fp4.available():
+        raise SystemExit("the C++ FP4 ops could not be built: nothing to measure on the CPU")
+    cpu_experts(args.format)
+    cpu_linear(args.format)
     if torch.cuda.is_available():
         triton_vs_bf16(args.format, "cuda", tiny=False)
     elif os.environ.get("TRITON_INTERPRET") == "1":

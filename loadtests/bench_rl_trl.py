@@ -209,7 +209,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     widened = args.out / "init-fp32"
     if not (widened / "config.json").exists():
-        save_checkpoint(load_checkpoint(args.init), widened, args.init)
+        save_checkpoint(load_checkpoint(args.init, keep_fp4=False), widened, args.init)
     config = stage_config(args, widened)
     ours, ours_s = run_ours(config, args.out / "ours")
     trl, trl_s = run_trl(config, widened, args.out / "trl")

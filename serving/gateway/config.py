@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from serving.model.checkpoint import check_checkpoint
 from serving.model.config import CheckpointError, ModelConfig
 from serving.model.device import DEVICE_CHOICES, UnsupportedDeviceError, resolve_device
 from serving.model.dtype import DTYPE_CHOICES, UnsupportedDtypeError, resolve_dtype
@@ -226,8 +227,9 @@ class GatewayConfigError(ValueError):
 
 
 def check_checkpoints(config: GatewayConfig) -> None:
-    """Refuse to start an embedded tier whose checkpoint is not there, or whose device or
-    dtype this machine lacks, rather than restart it forever."""
+    """Refuse to start an embedded tier whose checkpoint is not there or does not agree with
+    its config.json (an FP4 checkpoint's codes and scales), or whose device or dtype this
+    machine lacks, rather than restart it forever."""
     for tier in ("full", "highspeed"):
         tier_config = getattr(config.tiers, tier)
         if not isinstance(tier_config, EmbeddedTier):
@@ -239,6 +241,7 @@ def check_checkpoints(config: GatewayConfig) -> None:
                 "`training/` produces: give other checkpoints with --config"
             )
         try:
+            check_checkpoint(tier_config.model)
             saved = ModelConfig.from_file(tier_config.model / "config.json").dtype
             device = resolve_device(tier_config.device)
             for name in (tier_config.dtype, tier_config.kv_cache_dtype):

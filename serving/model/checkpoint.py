@@ -37,29 +37,33 @@ SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition
 GenerationConfigMode = Literal["auto", "vllm"]
 
 
-def read_safetensors(path: Path, device: torch.device = CPU) -> dict[str, torch.Tensor]:
-    """All tensors of `model.safetensors`, or of the shards its index names, and of the MTP
-    head's file, read straight onto `device` (no staging copy in host memory for a GPU)."""
+def _safetensors_files(path: Path) -> list[Path]:
+    """`model.safetensors`, or the shards its index names, and the MTP head's file."""
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (json.JSONDecodeError, KeyError, AttributeError) as e:
             raise CheckpointError(f"{index}: malformed index: {e!r}") from e
+        files = [path / f for f in files]
     elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
+        files = [path / "model.safetensors"]
     else:
         raise CheckpointError(f"{path}: no model.safetensors")
-    if (path / MTP_FILE).exists():
-        files.append(str(MTP_FILE))
+    return files + [path / MTP_FILE] * (path / MTP_FILE).exists()
+
+
+def read_safetensors(path: Path, device: torch.device = CPU) -> dict[str, torch.Tensor]:
+    """All tensors of `model.safetensors`, or of the shards its index names, and of the MTP
+    head's file, read straight onto `device` (no staging copy in host memory for a GPU)."""
     tensors = {}
-    for f in files:
+    for f in _safetensors_files(path):
         try:
-            with safe_open(path / f, framework="pt", device=str(device)) as st:
+            with safe_open(f, framework="pt", device=str(device)) as st:
                 for k in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                     tensors[k] = st.get_tensor(k)
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{path / f}: unreadable safetensors file: {e}") from e
+            raise CheckpointError(f"{f}: unreadable safetensors file: {e}") from e
     return tensors
 
 
@@ -75,6 +79,26 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         (path / MTP_FILE).unlink(missing_ok=True)
 
 
+def check_checkpoint(path: str | Path) -> None:
+    """What can be checked of a checkpoint without reading its weights, as `tierserve serve`
+    does before it starts a tier: config.json, and for an FP4 checkpoint its format and the
+    shapes of its packed codes and scales (the safetensors headers) against config.json."""
+    path = Path(path)
+    config = ModelConfig.from_file(path / "config.json")
+    if config.quantization is None:
+        return
+    fmt = quantization.checkpoint_format(config.quantization)
+    shapes = {}
+    for f in _safetensors_files(path):
+        try:
+            with safe_open(f, framework="pt") as st:
+                for k in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    shapes[k] = st.get_slice(k).get_shape()
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f}: unreadable safetensors file: {e}") from e
+    quantization.check_fp4_layout(shapes, config, fmt)
+
+
 def load_checkpoint(
     path: str | Path,
     dtype: torch.dtype | str = torch.float32,
@@ -84,10 +108,11 @@ def load_checkpoint(
     """The model in `dtype` on `device`: a torch dtype, or a `--dtype` name (`auto`: the
     checkpoint's).
 
-    FP4 weights stay FP4 where the Triton kernels run (`keep_fp4=None`: on CUDA). On a CPU
-    they are dequantized once, at load, to `dtype`: that serves at the speed of the
-    unquantized model (FP4 per step costs 23-50% of decode speed, README "The CPU path"), in
-    the memory of a `dtype` checkpoint.
+    FP4 weights stay FP4 (`keep_fp4=None`) where kernels read them as they are: the Triton
+    kernels on CUDA, the C++ ops of `kernels/cpu_fp4.py` on a CPU. Where those cannot be
+    built (a warning says so), they are dequantized once, at load, to `dtype`, in the memory
+    of a `dtype` checkpoint; `keep_fp4=False` asks for that anywhere. An FP4 checkpoint whose
+    packed codes or scales disagree with its config.json is refused (`CheckpointError`).
 
     Where `auto` computes wider than the checkpoint's dtype (a bf16 checkpoint on a CPU
     without native bf16: fp32), the weights of the decoder layers (projections, routers,
@@ -95,9 +120,8 @@ def load_checkpoint(
     they are used: inside the compiled decode steps' fused loops, per call in eager steps,
     only the used experts in grouped ones. Widening bf16 is exact, so the model computes
     what it would with fp32 weights, in half their memory, and no slower (a compiled step
-    reads half the bytes). FP4 experts dequantize to the checkpoint's dtype there (FP4 per
-    step runs at ~0.6x); FP4 linear layers (`--all-linear`) stay FP4. A dtype named
-    explicitly converts everything to it. `keep_fp4` overrides the choice."""
+    reads half the bytes); FP4 weights dequantized at load are held in the checkpoint's dtype
+    there too. A dtype named explicitly converts everything else to it."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
@@ -112,10 +136,11 @@ def load_checkpoint(
     hf = read_safetensors(path, device)
     if config.quantization is not None:
         fmt = quantization.checkpoint_format(config.quantization)
+        quantization.check_fp4_layout({k: v.shape for k, v in hf.items()}, config, fmt)
+        quantization.check_fp4_values(hf, fmt)
         hf = quantization.unpack_state_dict(hf)
-        all_linear = quantization.checkpoint_all_linear(config.quantization)
         if keep_fp4 is None:
-            keep_fp4 = ops.use_triton(device) or (widened and all_linear)
+            keep_fp4 = ops.has_fp4_kernels(device)
         if keep_fp4:
             with torch.device("meta"):
                 quantization.use_quantized_modules(model, hf, fmt)

@@ -17,8 +17,8 @@ to a scratch block that no sequence owns, so they never touch real cache entries
 is the paged decode op (`tierserve_cpu::paged_decode_attention`, `kernels/cpu_attention.py`)
 called in the graph, or where that cannot be built, written out in it; either reads the block
 tables cut to the longest context, a dynamic dimension of the graph (`graph_decode_attention`).
-FP4 experts stay eager code too, behind a `torch.library` op (`tierserve::fp4_moe_experts`)
-that the graphs call.
+FP4 experts and linears on a CPU are C++ ops too (`tierserve_fp4::moe`, `tierserve_fp4::linear`,
+`kernels/cpu_fp4.py`) that the graphs call, decoding the packed weights inside their products.
 
 Graphs are compiled when the engine starts, in a background thread, smallest size first
 (the one-stream graph that the first requests need comes first); until a size is ready its

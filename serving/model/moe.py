@@ -5,16 +5,13 @@ Expert weights are held fused, `gate_up [E, 2I, H]` (gate rows first, then up) a
 grouped product over tokens sorted by expert rather than one module per expert.
 """
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
-from kernels.formats import FP4Format, FP4Tensor
 from kernels.modules import QuantizedWeight
-from kernels.reference import fp4_moe, silu_and_mul
+from kernels.reference import silu_and_mul
 from serving.model.config import ModelConfig
 from serving.model.linear import Linear
 
@@ -123,37 +120,6 @@ def gathered_experts(
     return (o * weights.to(x.dtype)[..., None]).sum(1)
 
 
-# FP4 experts on a CPU (`fp4_moe`, the lookup-table dequantization of the used experts) as an
-# op that a compiled decode step calls as opaque eager code: which experts it dequantizes
-# depends on what the tokens picked, which a graph cannot know. Each weight is passed as its
-# parts: an op's arguments are tensors and scalars.
-torch.library.define(
-    "tierserve::fp4_moe_experts",
-    "(Tensor x, Tensor weights, Tensor experts, str format, Tensor gate_up_packed, "
-    "Tensor gate_up_scales, Tensor? gate_up_row_scale, int gate_up_k, Tensor down_packed, "
-    "Tensor down_scales, Tensor? down_row_scale, int down_k) -> Tensor",
-)
-
-
-def _fp4_moe_experts(
-    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, format: FP4Format, *parts: Any
-) -> torch.Tensor:
-    gate_up, down = FP4Tensor(format, *parts[:4]), FP4Tensor(format, *parts[4:])
-    return fp4_moe(x, weights, experts, gate_up, down)
-
-
-torch.library.impl("tierserve::fp4_moe_experts", "CompositeExplicitAutograd", func=_fp4_moe_experts)
-
-
-@torch.library.register_fake("tierserve::fp4_moe_experts")
-def _(x, *args):
-    return torch.empty_like(x)
-
-
-def _fp4_parts(t: FP4Tensor) -> tuple[Any, ...]:
-    return t.packed, t.scales, t.row_scale, t.k
-
-
 # Above this many tokens per expert, padding costs more than the per-expert calls it saves.
 PADDED_CAPACITY = 16
 # With more threads, one product of a few rows stays on one thread while the batched product
@@ -192,9 +158,7 @@ class SparseMoE(nn.Module):
         if ops.use_triton(x.device):
             y = ops.fused_moe(x, weights, experts, gate_up, down)
         elif fp4:
-            y = torch.ops.tierserve.fp4_moe_experts(
-                x, weights, experts, gate_up.format, *_fp4_parts(gate_up), *_fp4_parts(down)
-            )
+            y = ops.fp4_experts(x, weights, experts, gate_up, down)
         elif torch.compiler.is_compiling() and not torch.is_grad_enabled():  # a decode graph
             y = gathered_experts(x, weights, experts, gate_up, down)
         else:

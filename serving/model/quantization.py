@@ -15,6 +15,7 @@ embeddings, norms and the LM head stay in full precision.
 
 import re
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from kernels.formats import (
 )
 from kernels.modules import FP4Linear, QuantizedWeight
 from serving.model.causal_lm import CausalLM
-from serving.model.config import CheckpointError
+from serving.model.config import CheckpointError, ModelConfig
 from serving.model.hf_state_dict import FP4_PARTS, hf_name
 from serving.model.moe import SparseMoE
 
@@ -155,6 +156,85 @@ def checkpoint_all_linear(raw_quantization: dict) -> bool:
     """Whether `quantization_config` wrote this block for every linear layer, not experts only."""
     groups = raw_quantization.get("config_groups", {}).values()
     return any("Linear" in group.get("targets", []) for group in groups)
+
+
+_PROJECTION = re.compile(
+    r"\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?:experts\.(?P<expert>\d+)\.)?"
+    r"(?P<mlp>gate|up|down)_proj)$"
+)
+
+
+def _projection_shape(base: str, config: ModelConfig) -> tuple[int, int] | None:
+    """The `[out, in]` shape config.json gives the projection `base` (a checkpoint name less
+    `.weight`); None if the name is not a projection an FP4 checkpoint may quantize."""
+    m = _PROJECTION.search(base)
+    if m is None:
+        return None
+    h, q = config.hidden_size, config.num_attention_heads * config.head_dim
+    if m["attn"]:
+        kv = config.num_key_value_heads * config.head_dim
+        return {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q)}[m["attn"]]
+    if m["expert"] is not None:
+        if int(m["expert"]) >= config.num_experts:
+            return None
+        inner = config.moe_intermediate_size
+    else:
+        inner = config.intermediate_size
+    return (h, inner) if m["mlp"] == "down" else (inner, h)
+
+
+def check_fp4_layout(
+    shapes: Mapping[str, Sequence[int]], config: ModelConfig, format: FP4Format
+) -> None:
+    """Refuse, naming the first tensor, an FP4 checkpoint whose packed codes or scales do not
+    have the shapes its config.json implies: `shapes` maps each tensor name of
+    model.safetensors to its shape (read from the file's header or from loaded tensors).
+    Served, such a checkpoint would compute with misplaced blocks or fail mid-request."""
+    block = BLOCK_SIZE[format]
+    for name in shapes:
+        if not name.endswith(".weight_packed"):
+            continue
+        base = name.removesuffix(".weight_packed")
+        expected = _projection_shape(base, config)
+        if expected is None:
+            raise CheckpointError(f"{name}: no projection of this name in config.json's model")
+        n, k = expected
+        if k % block:
+            raise CheckpointError(
+                f"{name}: config.json gives it {k} inputs, not whole {format} blocks of {block}"
+            )
+        wanted = {
+            name: (n, k // 2),
+            f"{base}.weight_scale": (n, k // block),
+        }
+        if format == "nvfp4":
+            wanted[f"{base}.weight_global_scale"] = (1,)
+        for key, shape in wanted.items():
+            if key not in shapes:
+                raise CheckpointError(f"{format} checkpoint: {name} has no {key}")
+            got = tuple(shapes[key])
+            if got != shape and not (shape == (1,) and got == ()):
+                raise CheckpointError(
+                    f"{key}: shape {got}, but config.json's {n} x {k} {format} weight needs {shape}"
+                )
+
+
+def check_fp4_values(hf: Mapping[str, torch.Tensor], format: FP4Format) -> None:
+    """Refuse FP4 arrays of the wrong dtypes, scales that are NaN (E8M0 255, E4M3 S.1111.111)
+    or a tensor scale that is not a positive finite number: the weights would be NaN,
+    infinite or other bytes than the format's."""
+    for name, t in hf.items():
+        if name.endswith((".weight_packed", ".weight_scale")) and t.element_size() != 1:
+            raise CheckpointError(f"{name}: {t.dtype}, not one byte an element")
+        if name.endswith(".weight_scale"):
+            bits = t.view(torch.uint8)
+            nan = bits == 255 if format == "mxfp4" else (bits & 0x7F) == 0x7F
+            if bool(nan.any()):
+                raise CheckpointError(f"{name}: NaN block scales")
+        elif name.endswith(".weight_global_scale"):
+            gs = t.float()
+            if not bool((torch.isfinite(gs) & (gs > 0)).all()):
+                raise CheckpointError(f"{name}: {gs.tolist()} is not a positive finite scale")
 
 
 def use_quantized_modules(model: CausalLM, hf: dict[str, torch.Tensor], format: FP4Format) -> None:

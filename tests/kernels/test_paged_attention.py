@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention, triton_attention
+from kernels import cpu_attention, cpu_extension, triton_attention
 from serving.model.attention import decode_attention, length_mask
 
 CUDA = "cuda" if torch.cuda.is_available() else "cpu"
@@ -147,7 +147,7 @@ def test_the_cpp_op_runs_on_torchs_openmp_threads():
     assert cpu_attention.available()
     from torch.utils import cpp_extension
 
-    name = cpu_attention._build_name()
+    name = cpu_extension.library_name("tierserve_cpu_ops", "paged_attention.cpp")
     built = Path(cpp_extension._get_build_directory(name, False))
     dynamic = subprocess.run(
         ["readelf", "-d", str(built / f"{name}.so")], capture_output=True, text=True

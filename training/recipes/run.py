@@ -128,7 +128,9 @@ def recommend_sampling(model_dir: Path, settings: dict[str, float | int]) -> Non
 
 def write_card(model_dir: Path, title: str, how: str, table: str, command: str) -> None:
     config = json.loads((model_dir / "config.json").read_text())
-    params = sum(p.numel() for p in load_checkpoint(model_dir).parameters())  # tied: once
+    params = sum(
+        p.numel() for p in load_checkpoint(model_dir, keep_fp4=False).parameters()
+    )  # tied: once
     card = (
         f"# {title}\n\n{how}\n\n"
         f"- architecture: `{config['architectures'][0]}`, {params / 1e6:.2f}M parameters, "

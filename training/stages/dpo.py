@@ -105,7 +105,7 @@ def build_pairs(config: DPOStage, tokenizer: Tokenizer, path: Path) -> None:
     """Sample, score and pair; store each pair's token ids and the reference's
     log-probabilities of both answers."""
     dpo = config.dpo
-    reference = load_checkpoint(config.init).eval()
+    reference = load_checkpoint(config.init, keep_fp4=False).eval()  # as the trainer computes
     engine = inference_copy(reference, tokenizer, EngineConfig(max_num_seqs=64))
     seeds = [train_seed(config.data.seed + i) for i in range(config.data.examples)]
     groups = _sample(
@@ -243,7 +243,7 @@ class DPOTrainer(Trainer):
         if not path.exists():
             build_pairs(config, tokenizer, path)
         self.config, self.tokenizer = config, tokenizer
-        model = load_checkpoint(config.init)
+        model = load_checkpoint(config.init, keep_fp4=False)  # trained: plain weights
         super().__init__(
             model,
             config.train,

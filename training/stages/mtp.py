@@ -45,7 +45,7 @@ class MTPStage(FromCheckpoint):
 
 def load_for_mtp(init: str) -> CausalLM:
     """`init` in fp32 (FP4 weights dequantized), only its MTP parameters trainable."""
-    model = load_checkpoint(init)
+    model = load_checkpoint(init, keep_fp4=False)  # trainable: plain parameters
     if not len(model.mtp):
         raise ConfigError(f"{init} has no MTP head (`tierserve_mtp` in its config.json)")
     for name, param in model.named_parameters():

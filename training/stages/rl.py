@@ -152,12 +152,13 @@ class RLTrainer(Trainer):
         """Trains `config.init`; with a KL term (or `track_kl`), against a frozen copy of it."""
         self.config, self.tokenizer, self.pad_id = config, tokenizer, pad_id
         tracked = config.rl.kl_coef > 0 or config.rl.track_kl
-        self.reference = load_checkpoint(config.init).eval() if tracked else None
+        # The reference computes as the trainer does (FP4 widened), so its KL starts at 0.
+        self.reference = load_checkpoint(config.init, keep_fp4=False).eval() if tracked else None
         self.weights = DomainWeights(
             dict(config.data.mix), fixed=config.rl.domain_weighting == "fixed"
         )
         self.step_stats: dict[str, float] = {}
-        model = load_checkpoint(config.init)
+        model = load_checkpoint(config.init, keep_fp4=False)  # trained: plain weights
         super().__init__(model, config.train, None, out_dir, rl_loss(config), evaluate, "rl")
 
     def state(self, step: int) -> dict[str, Any]:

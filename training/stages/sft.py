@@ -93,7 +93,7 @@ def sft(config: SFTStage, out_dir: Path) -> Path:
     dataset = SFTDataset(
         sft_data(config, tokenizer, out_dir, distil=config.teacher is not None), pad_id(tokenizer)
     )
-    model = load_checkpoint(config.init)
+    model = load_checkpoint(config.init, keep_fp4=False)  # trained: plain weights
     if config.keep_layers is not None:
         model = keep_layers(model, config.keep_layers)
     if config.qat.format is not None:

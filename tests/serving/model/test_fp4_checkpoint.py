@@ -132,13 +132,14 @@ def test_fp4_model_computes_what_its_bytes_hold(quantized, tmp_path, fmt, all_li
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("all_linear", [False, True])
-def test_cpu_dequantizes_fp4_at_load_into_the_same_weights(quantized, tmp_path, fmt, all_linear):
-    """Off CUDA the FP4 weights become plain `dtype` weights once, at load: the bytes' exact
-    values, no FP4 module left, and a config that no longer claims FP4 (so a save is plain)."""
+def test_dequantizing_at_load_gives_the_same_weights(quantized, tmp_path, fmt, all_linear):
+    """`keep_fp4=False` (and a CPU without the C++ FP4 ops) turns the FP4 weights into plain
+    `dtype` weights once, at load: the bytes' exact values, no FP4 module left, and a config
+    that no longer claims FP4 (so a save is plain)."""
     path = quantized[fmt, all_linear]
     plain = load_checkpoint(dequantized_copy(path, tmp_path / "plain")).state_dict()
     for dtype in (torch.float32, torch.bfloat16):
-        model = load_checkpoint(path, dtype)
+        model = load_checkpoint(path, dtype, keep_fp4=False)
         assert model.config.quantization is None
         assert not any(isinstance(m, (FP4Linear, QuantizedWeight)) for m in model.modules())
         state = model.state_dict()
@@ -149,13 +150,13 @@ def test_cpu_dequantizes_fp4_at_load_into_the_same_weights(quantized, tmp_path, 
 
 @pytest.mark.parametrize("bf16_native", [False, True])
 @pytest.mark.parametrize("all_linear", [False, True])
-def test_auto_holds_fp4_weights_in_the_checkpoint_dtype(
+def test_auto_keeps_fp4_weights_fp4_on_a_cpu(
     quantized, tmp_path, monkeypatch, bf16_native, all_linear
 ):
-    """A bf16 FP4 checkpoint under `auto`: dequantized to bf16 where the CPU computes bf16.
-    Where it cannot (auto falls back to fp32), FP4 experts are held in bf16 and widened per
-    step, the rest computes in fp32, with the FP4 model's logits to bf16's precision; FP4
-    linear layers stay FP4. An explicit float32 dequantizes everything to fp32."""
+    """A bf16 FP4 checkpoint under `auto` on a CPU keeps every FP4 weight FP4 (the C++ ops
+    read them), whether or not the CPU computes bf16; the rest is in the compute dtype or
+    held in bf16. Dequantized at load instead (`keep_fp4=False`), the FP4 weights are held in
+    bf16 where `auto` computes in fp32, with the FP4 model's logits to bf16's precision."""
     path = tmp_path / "bf16-fp4"
     shutil.copytree(quantized["nvfp4", all_linear], path)
     config = json.loads((path / "config.json").read_text())
@@ -167,19 +168,18 @@ def test_auto_holds_fp4_weights_in_the_checkpoint_dtype(
     auto = load_checkpoint(path, "auto")
     compute = torch.bfloat16 if bf16_native else torch.float32
     assert auto.embed_tokens.weight.dtype == compute
-    experts = auto.layers[0].mlp.gate_up
-    kept = not bf16_native and all_linear
-    assert isinstance(experts, QuantizedWeight) == kept
-    if not kept:
-        assert experts.dtype == torch.bfloat16
-        assert auto.config.quantization is None
+    assert isinstance(auto.layers[0].mlp.gate_up, QuantizedWeight)
+    assert isinstance(auto.layers[0].self_attn.qkv_proj, FP4Linear) == all_linear
+    assert auto.config.quantization is not None
     if not bf16_native:
+        dequantized = load_checkpoint(path, "auto", keep_fp4=False)
+        assert dequantized.layers[0].mlp.gate_up.dtype == torch.bfloat16
+        assert dequantized.config.quantization is None
         long_prompts = [p for p in prompts(20, TINY_MOE["vocab_size"], seed=8) if len(p) >= 16]
         ids = torch.tensor([p[:16] for p in long_prompts[:4]])
-        fp4 = logits(load_checkpoint(path, "auto", keep_fp4=True), ids)
-        torch.testing.assert_close(logits(auto, ids), fp4, atol=0.05, rtol=0.02)
-        plain = load_checkpoint(path, "float32")
-        assert plain.config.quantization is None
+        held_bf16, fp4 = logits(dequantized, ids), logits(auto, ids)
+        torch.testing.assert_close(held_bf16, fp4, atol=0.05, rtol=0.02)
+        plain = load_checkpoint(path, "float32", keep_fp4=False)
         assert plain.layers[0].mlp.gate_up.dtype == torch.float32
 
 

@@ -1,0 +1,88 @@
+"""FP4 weights kept FP4 on a CPU: the C++ ops of `csrc/fp4_gemm.cpp` for FP4 linear layers
+and FP4 experts, which read the packed codes and block scales where they lie and decode each
+block in registers inside the dot product, so an FP4 model holds a quarter of a bf16 model's
+expert bytes and reads no more than that a step. `loadtests/bench_kernels.py` measures them
+against the dense products, `loadtests/bench_fp4_engine.py` the engine decoding with them.
+
+Activations are fp32 inside the ops (others are converted on the way in and out); the
+decoded weights are the dequantized weights exactly, so results match
+`kernels/reference.py` up to the order of the sums. The ops are built on first use
+(`kernels/cpu_extension.py`) and registered with fake kernels, so the compiled decode steps
+call them.
+"""
+
+import threading
+
+import torch
+
+from kernels import cpu_extension
+from kernels.formats import FP4Tensor
+
+_lock = threading.Lock()
+_built: bool | None = None  # a plain global, so a compiled graph reads it as a constant
+
+
+def _register_fakes() -> None:
+    torch.library.register_fake("tierserve_fp4::linear")(
+        lambda x, format, packed, scales, row_scale: x.new_empty(x.shape[0], packed.shape[0])
+    )
+    torch.library.register_fake("tierserve_fp4::moe")(lambda x, *args: torch.empty_like(x))
+
+
+def _load() -> bool:
+    return cpu_extension.load(
+        "tierserve_cpu_fp4",
+        "fp4_gemm.cpp",
+        _register_fakes,
+        "FP4 checkpoints are dequantized at load on this CPU instead (the memory of a bf16 "
+        "or fp32 checkpoint)",
+    )
+
+
+def available() -> bool:
+    """Builds or loads the ops once a process; False, with one warning, where they cannot be
+    built."""
+    global _built
+    if _built is None:
+        with _lock:
+            if _built is None:
+                _built = _load()
+    return _built
+
+
+def _padded(x: torch.Tensor, w: FP4Tensor) -> torch.Tensor:
+    """x [..., k] as contiguous fp32 rows [rows, Kp], zero padded to the weight's whole
+    blocks (the padded codes are zeros too)."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    pad = w.packed.shape[-1] * 2 - x.shape[-1]
+    return (torch.nn.functional.pad(x, (0, pad)) if pad else x).contiguous()
+
+
+def fp4_linear(x: torch.Tensor, w: FP4Tensor) -> torch.Tensor:
+    """`x [..., K] @ W.t()` for an FP4 weight `W [N, K]`, in x's dtype."""
+    y = torch.ops.tierserve_fp4.linear(_padded(x, w), w.format, w.packed, w.scales, w.row_scale)
+    return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def fp4_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: FP4Tensor,
+    down: FP4Tensor,
+) -> torch.Tensor:
+    """`sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])` for x [T, H] and FP4
+    experts gate_up [E, 2I, H], down [E, H, I] (whole blocks: checkpoints hold them so)."""
+    y = torch.ops.tierserve_fp4.moe(
+        x.float().contiguous(),
+        topk_weights.float().contiguous(),
+        topk_ids.long().contiguous(),
+        gate_up.format,
+        gate_up.packed,
+        gate_up.scales,
+        gate_up.row_scale,
+        down.packed,
+        down.scales,
+        down.row_scale,
+    )
+    return y.to(x.dtype)
