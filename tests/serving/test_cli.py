@@ -22,7 +22,7 @@ def test_generate(random_checkpoint: Path, capsys: pytest.CaptureFixture) -> Non
     [
         ["generate", "--model", "/no/such/checkpoint", "hello"],
         ["engine", "--model", "/no/such/checkpoint"],
-        ["init-checkpoint", "/tmp/unused", "--shape", "/no/such/shape.json"],
+        ["train", "init-checkpoint", "/tmp/unused", "--shape", "/no/such/shape.json"],
     ],
 )
 def test_errors_are_one_line(argv: list[str], capsys: pytest.CaptureFixture) -> None:

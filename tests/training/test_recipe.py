@@ -129,7 +129,7 @@ def test_shipped_models_load_in_transformers_with_our_logits(
     if tier == "highspeed":  # the QAT export: NVFP4 experts, which transformers 5 cannot
         # place in its fused experts; it reads the values those bytes hold instead
         assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
-        save_checkpoint(ours, tmp_path / "dequantized", path)
+        save_checkpoint(load_checkpoint(path, keep_fp4=False), tmp_path / "dequantized", path)
         path = tmp_path / "dequantized"
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():

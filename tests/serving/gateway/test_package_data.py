@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 PROBE = """
 import json, subprocess, sys
 import serving
-from kernels import cpu_attention
+from kernels import cpu_extension
 from serving.gateway.loadtest import LOCUSTFILE
 listed = subprocess.run(
     [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--list"],
@@ -30,7 +30,7 @@ root = LOCUSTFILE.parents[1]
 print(json.dumps({
     "serving": serving.__file__,
     "locustfile": str(LOCUSTFILE),
-    "attention_source": str(cpu_attention.SOURCE) if cpu_attention.SOURCE.is_file() else None,
+    "csrc": sorted(str(p) for p in cpu_extension.CSRC.glob("*.cpp")),
     "users": listed,
     "files": [str(p.relative_to(root)) for p in root.rglob("*") if p.suffix in (".json", ".jinja")],
 }))
@@ -66,4 +66,6 @@ def test_an_installed_wheel_load_tests_with_its_own_locustfile(tmp_path: Path) -
     assert "TierserveUser" in found["users"]
     assert "gateway/dashboards/gateway.json" in set(found["files"])
     assert "model/chat_template.jinja" in found["files"]
-    assert Path(found["attention_source"]).is_relative_to(target)
+    # The C++ ops' sources, which the installed package builds on first use.
+    assert [Path(p).name for p in found["csrc"]] == ["fp4_gemm.cpp", "paged_attention.cpp"]
+    assert all(Path(p).is_relative_to(target) for p in found["csrc"])

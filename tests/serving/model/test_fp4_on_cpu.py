@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from serving.model.sampling import SamplingParams
 
 from kernels import cpu_fp4
 from kernels.modules import FP4Linear, QuantizedWeight
@@ -19,6 +18,7 @@ from serving.cli import main
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
 from serving.model.config import CheckpointError
+from serving.sampling.params import SamplingParams
 from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
 
 DEMO_HIGHSPEED = Path(__file__).parents[3] / "models" / "demo-highspeed"
