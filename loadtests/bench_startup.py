@@ -36,12 +36,12 @@ NEW_TOKENS = 128
 FULL_SPEED = 0.9  # the first request's tokens/s at least this share of the later ones'
 
 
-def cache_env(cache: Path) -> dict[str, str]:
+def cache_env(cache: Path, threads: int) -> dict[str, str]:
     return dict(
         os.environ,
         TIERSERVE_CACHE_DIR=str(cache),
         TORCH_EXTENSIONS_DIR=str(cache / "torch_extensions"),
-        OMP_NUM_THREADS="2",
+        OMP_NUM_THREADS=str(threads),
     )
 
 
@@ -62,7 +62,9 @@ def speeds(root: str, model: str) -> tuple[float, float]:
     return first, later
 
 
-def start_tier(checkpoint: Path, cache: Path, dtype: str, log: Path) -> dict[str, float]:
+def start_tier(
+    checkpoint: Path, cache: Path, dtype: str, threads: int, log: Path
+) -> dict[str, float]:
     """Spawn to /health 200, and the one-stream speeds right after it and later."""
     port = free_port()
     command = [sys.executable, "-c", "from serving.cli import main; main()", "engine"]
@@ -70,7 +72,7 @@ def start_tier(checkpoint: Path, cache: Path, dtype: str, log: Path) -> dict[str
     command += ["--served-model-name", "bench"]
     begin = time.monotonic()
     with log.open("w") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=out, env=cache_env(cache))
+        server = subprocess.Popen(command, stdout=out, stderr=out, env=cache_env(cache, threads))
     root = f"http://127.0.0.1:{port}"
     try:
         wait_ready(root, 900, server, log)
@@ -115,7 +117,7 @@ def kill_under_load(checkpoint: Path, cache: Path, dtype: str, workdir: Path) ->
     command = [sys.executable, "-c", "from serving.cli import main; main()", "serve"]
     with log.open("w") as out:
         gateway = subprocess.Popen(
-            [*command, "--config", str(path)], stdout=out, stderr=out, env=cache_env(cache)
+            [*command, "--config", str(path)], stdout=out, stderr=out, env=cache_env(cache, 1)
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -155,14 +157,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/tierserve-bench-moe-43m"))
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="the tier's (a machine busy with other work: 1)"
+    )
     ap.add_argument("--kill", action="store_true", help="also SIGKILL a tier under load")
     args = ap.parse_args()
     checkpoint = build_checkpoint(args.checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
         cache, log = Path(tmp) / "cache", Path(tmp) / "engine.log"
-        rows = [(name, start_tier(checkpoint, cache, args.dtype, log)) for name in ("cold", "warm")]
+        rows = [
+            (name, start_tier(checkpoint, cache, args.dtype, args.threads, log))
+            for name in ("cold", "warm")
+        ]
         killed = kill_under_load(checkpoint, cache, args.dtype, Path(tmp)) if args.kill else None
-    print(f"\n`tierserve engine --model {checkpoint.name} --dtype {args.dtype}`, 2 threads; "
+    print(f"\n`tierserve engine --model {checkpoint.name} --dtype {args.dtype}`, "
+          f"{args.threads} threads; "
           f"one stream: {NEW_TOKENS} new tokens, greedy")  # fmt: skip
     print("| cache | spawn to ready (/health 200) s | first request tok/s | later tok/s (median "
           "of 3) | first / later |\n|---|---|---|---|---|")  # fmt: skip

@@ -77,10 +77,13 @@ def inductor_config(dtype: torch.dtype) -> contextlib.AbstractContextManager:
     or AVX2 micro-kernels), the only backend offered, so nothing is benchmarked at compile
     time (with oneDNN's as a second choice, autotuning kept it for some products and steps of
     4 and 16 sequences were 15-30% slower). The price, paid only in half precision: each graph
-    holds its own packed copy of the dense weights (the experts are read in place), and frozen
-    graphs skip inductor's disk cache, so every start compiles them anew (in the background,
-    as always). fp32 gains nothing from it (measured: 2.92 against 2.99 ms a step), so it keeps
-    the cache. The config is process-wide, so it is set only while this thread compiles."""
+    holds its own packed copy of the dense weights (the experts are read in place), and a
+    restart does more work: frozen graphs do hit inductor's FX graph cache (PyTorch allows it
+    outside Meta), but the AOT autograd cache refuses any graph compiled with freezing, so each
+    start traces them again, refolds and repacks the weights before the cache lookup, and
+    their weights, being graph constants, keep them out of `precompiled`'s whole-graph store.
+    fp32 gains nothing from freezing (measured: 2.92 against 2.99 ms a step), so it keeps both
+    caches. The config is process-wide, so it is set only while this thread compiles."""
     from torch._inductor import config  # imported in the compile thread, as dynamo is
 
     if dtype == torch.float32:

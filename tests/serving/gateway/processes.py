@@ -38,7 +38,7 @@ class Gateway:
         deadline = time.monotonic() + timeout_s
         while True:
             assert self.process.poll() is None, "tierserve serve exited"
-            assert time.monotonic() < deadline, "tiers did not become healthy"
+            assert time.monotonic() < deadline, f"tiers not ready after {timeout_s:g} s"
             try:
                 health = self.health()
                 if health["status"] == "ok":
@@ -54,7 +54,7 @@ def start_gateway(
     ports: dict[str, int] | None = None,
     enforce_eager: bool = True,
 ) -> Gateway:
-    """`tierserve serve` over two embedded tiers of `checkpoint`, healthy; `ports` may fix
+    """`tierserve serve` over two embedded tiers of `checkpoint`, ready; `ports` may fix
     the gateway's (`gateway`) and the tiers' ports (by tier), else they are free ones. Tiers
     run eagerly unless told otherwise: compiling in the background would slow other tests."""
     ports = ports or {}
@@ -76,7 +76,8 @@ def start_gateway(
     log = (directory / "serve.log").open("w")
     process = subprocess.Popen([*command, "--config", str(path)], stderr=log, stdout=log)
     gw = Gateway(process, f"http://127.0.0.1:{port}")
-    gw.wait_healthy()
+    # Ready means compiled: minutes with an empty compile cache on a busy 2-core machine.
+    gw.wait_healthy(timeout_s=120 if enforce_eager else 900)
     return gw
 
 
