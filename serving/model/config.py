@@ -12,6 +12,19 @@ class CheckpointError(ValueError):
     """A checkpoint directory that we cannot serve: missing, malformed or unsupported."""
 
 
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's config.json as a dict, or a CheckpointError that says what is wrong."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: config.json not found") from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: config.json must hold a JSON object")
+    return raw
+
+
 @dataclass
 class MTPConfig:
     """DeepSeek-V3-style multi-token prediction: extra blocks predicting token t+2.
@@ -126,15 +139,7 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        try:
-            raw = json.loads(Path(path).read_text())
-        except FileNotFoundError as e:
-            raise CheckpointError(f"{path}: config.json not found") from e
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: invalid JSON: {e}") from e
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{path}: config.json must hold a JSON object")
-        return cls.from_dict(raw)
+        return cls.from_dict(read_config_json(path))
 
     def to_dict(self) -> dict[str, Any]:
         """config.json as transformers writes it for this architecture."""

@@ -6,12 +6,11 @@ in configs that predate it, from `full_attention_interval`: every interval-th la
 full (transformers' rule).
 """
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from serving.model.config import CheckpointError
+from serving.model.config import CheckpointError, read_config_json
 
 ARCHITECTURE = "Qwen3NextForCausalLM"
 MODEL_TYPE = "qwen3_next"
@@ -146,15 +145,7 @@ class HybridConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "HybridConfig":
-        try:
-            raw = json.loads(Path(path).read_text())
-        except FileNotFoundError as e:
-            raise CheckpointError(f"{path}: config.json not found") from e
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: invalid JSON: {e}") from e
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{path}: config.json must hold a JSON object")
-        return cls.from_dict(raw)
+        return cls.from_dict(read_config_json(path))
 
 
 def _layer_types(raw: dict[str, Any], layers: int) -> list[str]:
