@@ -151,7 +151,7 @@ def dequantize_blocks(t: FP4Tensor, lookup: bool = True) -> torch.Tensor:
     """fp32 `[..., N, k]` with the block scales applied but not the row scale.
 
     `lookup` gathers through `scaled_pair_table`; otherwise nibbles are unpacked, decoded and
-    scaled one op at a time (the plain reference, 2-4x slower on CPU).
+    scaled one op at a time (the plain reference, several times slower on a CPU).
     """
     if lookup:
         index = _blocks(t.packed, t.block_size // 2).int() + (t.scales.int() << 8)[..., None]

@@ -191,8 +191,8 @@ class GatewayConfig(_Strict):
     json_logs: bool = True  # one JSON object per log line on stderr
     # Neither tier speculates: against the compiled decode steps the server runs, every
     # drafter slows the highspeed tier down on a CPU (a verify step's rows cost nearly what
-    # whole steps do): at one stream n-gram 0.76x, MTP 0.53x, the draft model 0.65x
-    # (loadtests/bench_speculative.py, 2026-12-03). `tiers.highspeed.speculative` turns it on.
+    # whole steps do; `loadtests/bench_speculative.py` measures each drafter against none).
+    # `tiers.highspeed.speculative` turns it on.
     tiers: Tiers = Tiers(
         full=EmbeddedTier(model=Path("models/demo-full")),
         highspeed=EmbeddedTier(model=Path("models/demo-highspeed")),

@@ -72,8 +72,8 @@ class _RemappedStream(httpx.AsyncByteStream):
 
 class TierTransport(AiohttpTransport):
     """httpx's API (and its test transports) over aiohttp's connection pool and C HTTP parser:
-    the hop of a whole answer cost ~2 ms less than through httpx's own pool (README
-    "Overhead")."""
+    the hop of a whole answer costs less than through httpx's own pool
+    (`loadtests/bench_gateway.py` measures the hop)."""
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         try:

@@ -71,19 +71,20 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
 def inductor_config(dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """Half precision: frozen weights and inductor's own C++ GEMMs for the projections.
 
-    A bf16 or fp16 product on a CPU goes to oneDNN, which costs ~20 us a call however small
-    (fp32's MKL call ~6 us at a decode step's sizes): most of a one-stream step. Frozen, the
+    A bf16 or fp16 product on a CPU goes to oneDNN, whose fixed cost a call, however small the
+    product, is several times MKL's fp32 call at a decode step's sizes: most of a one-stream
+    step. Frozen, the
     weights are graph constants that inductor repacks for its C++ GEMM template (AMX, AVX-512
     or AVX2 micro-kernels), the only backend offered, so nothing is benchmarked at compile
     time (with oneDNN's as a second choice, autotuning kept it for some products and steps of
-    4 and 16 sequences were 15-30% slower). The price, paid only in half precision: each graph
+    a few sequences were slower). The price, paid only in half precision: each graph
     holds its own packed copy of the dense weights (the experts are read in place), and a
     restart does more work: frozen graphs do hit inductor's FX graph cache (PyTorch allows it
     outside Meta), but the AOT autograd cache refuses any graph compiled with freezing, so each
     start traces them again, refolds and repacks the weights before the cache lookup, and
     their weights, being graph constants, keep them out of `precompiled`'s whole-graph store.
-    fp32 gains nothing from freezing (measured: 2.92 against 2.99 ms a step), so it keeps both
-    caches. The config is process-wide, so it is set only while this thread compiles."""
+    fp32 gains nothing from freezing (`loadtests/profile_decode.py` times a step), so it keeps
+    both caches. The config is process-wide, so it is set only while this thread compiles."""
     from torch._inductor import config  # imported in the compile thread, as dynamo is
 
     if dtype == torch.float32:

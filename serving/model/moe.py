@@ -123,10 +123,9 @@ def gathered_experts(
 # Above this many tokens per expert, padding costs more than the per-expert calls it saves.
 PADDED_CAPACITY = 16
 # With more threads, one product of a few rows stays on one thread while the batched product
-# splits the experts over the threads, so padding pays far longer: the demo models' experts
-# (8 x 512 x 256, fp32, cold) on two threads took 0.95 / 1.22 / 1.53 / 3.15 / 4.43 ms padded
-# against 1.27 / 1.85 / 1.99 / 4.14 / 4.48 ms per expert at 32 / 64 / 128 / 256 / 512 tokens
-# (busiest expert 10 to ~150 tokens); on one thread the two are even up to 64 tokens.
+# splits the experts over the threads, so padding pays far longer: on two threads the padded
+# form was the faster up to the largest batches measured, on one thread the two are even
+# sooner (`loadtests/bench_kernels.py` times the expert forms).
 PADDED_CAPACITY_THREADED = 128
 
 
