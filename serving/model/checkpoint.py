@@ -42,15 +42,16 @@ def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (json.JSONDecodeError, KeyError, AttributeError) as e:
             raise CheckpointError(f"{index}: malformed index: {e!r}") from e
-        files = [path / f for f in files]
     elif (path / "model.safetensors").exists():
-        files = [path / "model.safetensors"]
+        names = ["model.safetensors"]
     else:
         raise CheckpointError(f"{path}: no model.safetensors")
-    return files + [path / MTP_FILE] * (path / MTP_FILE).exists()
+    if (path / MTP_FILE).exists():
+        names.append(str(MTP_FILE))
+    return [path / name for name in names]
 
 
 def read_safetensors(path: Path, device: torch.device = CPU) -> dict[str, torch.Tensor]:

@@ -1,8 +1,8 @@
 """The frame the post-training stages (DPO, RL) share: the policy is `init`, evaluated on
 held-out tasks as it trains, and ships in bf16 like the model it came from."""
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 from serving.model.tokenizer import Tokenizer
 from training.config import FromCheckpoint
@@ -10,16 +10,8 @@ from training.stages.heldout import harness_eval
 from training.stages.outputs import begin, bf16_export, finish, pad_id
 from training.stages.trainer import EvalFn, Trainer
 
-
-class PolicyTrainer(Protocol):
-    def __call__(
-        self,
-        config: FromCheckpoint,
-        tokenizer: Tokenizer,
-        pad_id: int,
-        out_dir: Path,
-        evaluate: EvalFn | None,
-    ) -> Trainer: ...
+# A post-training stage's trainer class: (config, tokenizer, pad id, out dir, evaluation).
+PolicyTrainer = Callable[[FromCheckpoint, Tokenizer, int, Path, EvalFn | None], Trainer]
 
 
 def post_train(config: FromCheckpoint, out_dir: Path, trainer: PolicyTrainer) -> Path:
