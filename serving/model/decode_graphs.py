@@ -20,11 +20,13 @@ tables cut to the longest context, a dynamic dimension of the graph (`graph_deco
 FP4 experts and linears on a CPU are C++ ops too (`tierserve_fp4::moe`, `tierserve_fp4::linear`,
 `kernels/cpu_fp4.py`) that the graphs call, decoding the packed weights inside their products.
 
-Graphs are compiled when the engine starts, in a background thread, smallest size first
-(the one-stream graph that the first requests need comes first); until a size is ready its
-batches run eagerly, and the engine reports itself warming (`progress`): the tier server's
-/health answers 503 with the progress until every size is compiled, as vLLM's server is not
-healthy before its graphs are captured, so a gateway routes only to tiers at full speed.
+Graphs are compiled when the engine starts, in a background thread, smallest size first;
+until the one-stream graph is compiled steps run eagerly, and the engine reports itself
+warming (`progress`): the tier server's /health answers 503 with the progress, as vLLM's
+server is not healthy before its graphs are captured, so a gateway routes only to tiers
+that decode a stream at full speed. The larger sizes then compile at the lowest CPU
+priority (`_in_background`), and meanwhile a larger step runs in chunks of the largest size
+compiled so far, several times faster than eagerly.
 Compiling in the background rather than before the server listens lets it answer /health
 with that progress meanwhile. Inductor's caches live on disk (`compile_cache_dir`), and so do
 the fp32 graphs whole (`precompiled.py`), so a restart loads them rather than tracing them
@@ -116,12 +118,27 @@ def release_gil_in_kernels() -> None:
     bindings.call_entry_function = "call_without_gil(kernel, {}); Py_RETURN_NONE;"
 
 
+def _in_background() -> contextlib.AbstractContextManager:
+    """Lower the calling thread to the lowest CPU priority (nice 19) for good, and compile
+    the C++ kernels from it, not from inductor's pool, whose threads keep the priority they
+    were started with: the compilers it runs inherit the thread's priority. So the graphs
+    still compiling once a tier serves take only the CPU its requests leave, as a supervised
+    restart's or a cold start's first requests would otherwise share two cores with the
+    C++ compiler."""
+    from torch._inductor import config
+
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    return config.patch(compile_threads=1)
+
+
 class Progress(NamedTuple):
-    """How far the warm-up is: graphs compiled of those wanted; `done` once the compile
-    thread has ended (every graph compiled, or a failure that leaves the rest eager)."""
+    """How far the warm-up is: graphs compiled of those wanted; `ready` once a stream decodes
+    at full speed (`DecodeGraphs.serving`); `done` once the compile thread has ended (every
+    graph compiled, or a failure that leaves the rest eager)."""
 
     compiled: int
     wanted: int
+    ready: bool
     done: bool
 
 
@@ -180,7 +197,8 @@ class DecodeGraphs:
         self.model = model
         self.forward: Callable[..., torch.Tensor] | None = None  # set by the thread
         self._stored: dict[int, Callable[..., torch.Tensor]] = {}  # by size (`precompiled`)
-        self.num_ready = 0  # sizes[:num_ready] are compiled
+        self.ready_sizes: tuple[int, ...] = ()  # compiled, ascending; replaced whole
+        self.serving = False  # a stream decodes at full speed (`_compile`)
         self.done = False  # the compile thread has ended
         # Made here, not in the thread's inference mode: guards tell inference tensors apart.
         inputs = [padding(size) for size in sizes]
@@ -194,14 +212,19 @@ class DecodeGraphs:
         self._capture.join()
 
     def progress(self) -> Progress:
-        return Progress(self.num_ready, len(self.sizes), self.done)
+        return Progress(len(self.ready_sizes), len(self.sizes), self.serving, self.done)
 
     @torch.inference_mode()
     def _compile(self, model: CausalLM, inputs: list[_Inputs]) -> None:
         """Each size on inputs of its own (padding rows: they touch only the scratch block),
         so the engine may use the buffers meanwhile. A failure leaves the rest eager. Even
-        `torch.compile` is called here: its first call imports dynamo (~2-4 s), which would
-        otherwise hold the server's start."""
+        `torch.compile` is called here: its first call imports dynamo, which would otherwise
+        hold the server's start.
+
+        Graphs stored on disk load first (a fraction of a second each once inductor is
+        imported), then the others compile, smallest first. The engine serves at full speed
+        once every stored graph is loaded and the one-stream graph is ready; the rest then
+        compile in the background (`_in_background`)."""
         start = time.monotonic()
         dtype = model.embed_tokens.weight.dtype
         # Whole graphs on disk (`precompiled`): static shapes only, and no frozen weights.
@@ -212,14 +235,31 @@ class DecodeGraphs:
             # One cache entry per size and model (a process may hold several engines);
             # dynamo's config is per thread.
             torch._dynamo.config.recompile_limit = 64
-            with inductor_config(dtype):
-                for padding in inputs:
+            paths = {len(p.ids): self._graph_path(model, p) for p in inputs} if store else {}
+            on_disk = {size for size, path in paths.items() if path.exists()}
+            with inductor_config(dtype), contextlib.ExitStack() as stack:
+                for padding in sorted(inputs, key=lambda p: len(p.ids) not in on_disk):
+                    size = len(padding.ids)
                     if store:
                         example = self._arguments(padding, padding.block_tables)
-                        path = compile_cache_dir().parent / "graphs" / graph_key(model, example)
-                        self._stored[len(padding.ids)] = load_or_compile(model, example, path)
+                        self._stored[size] = load_or_compile(model, example, paths[size])
                     self._call(padding)
-                    self.num_ready += 1
+                    self.ready_sizes = tuple(sorted((*self.ready_sizes, size)))
+                    if (
+                        not self.serving
+                        and self.ready_sizes[0] == self.sizes[0]
+                        and len(self.ready_sizes) >= len(on_disk)
+                    ):
+                        self.serving = True
+                        logger.info(
+                            "decode steps at full speed for one stream in %.1f s (%d of %d "
+                            "batch sizes compiled; the others compile in the background, "
+                            "at the lowest CPU priority)",
+                            time.monotonic() - start,
+                            len(self.ready_sizes),
+                            len(self.sizes),
+                        )
+                        stack.enter_context(_in_background())
         except Exception:
             logger.exception("compiling decode steps failed; they run eagerly")
             return
@@ -233,22 +273,33 @@ class DecodeGraphs:
             ", whole graphs in graphs/" if store else "",
         )
 
-    def fits(self, num_seqs: int, max_table_len: int) -> bool:
-        """Whether a decode batch can run in a compiled graph now."""
-        ready = self.sizes[: self.num_ready]
+    def _graph_path(self, model: CausalLM, padding: _Inputs) -> Path:
+        example = self._arguments(padding, padding.block_tables)
+        return compile_cache_dir().parent / "graphs" / graph_key(model, example)
+
+    def fits(self, num_rows: int, max_table_len: int) -> bool:
+        """Whether a decode step of `num_rows` rows can run in compiled graphs now: in one,
+        or, while the larger sizes still compile, in chunks of the largest compiled one."""
         return (
-            bool(ready)
-            and num_seqs <= ready[-1]
+            bool(self.ready_sizes)
+            and num_rows <= self.sizes[-1]
             and max_table_len <= self.buffers.block_tables.shape[1]
         )
 
     def run(
         self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]
     ) -> torch.Tensor:
-        """Final hidden states [B, hidden] of one token per sequence, in the graph of the
-        smallest size >= B (the batch must `fit`)."""
+        """Final hidden states [B, hidden] of one row a token, in the smallest compiled
+        graph of B rows or more (the step must `fit`). Past the largest size compiled yet,
+        the rows run in chunks of it, in order: a decode row depends on no other row of its
+        step, and a span's rows see the keys and values its earlier chunks wrote, as in one
+        graph."""
         b = len(token_ids)
-        size = next(s for s in self.sizes if s >= b)
+        ready = self.ready_sizes
+        size = next((s for s in ready if s >= b), None)
+        if size is None:
+            parts = [slice(i, i + ready[-1]) for i in range(0, b, ready[-1])]
+            return torch.cat([self.run(token_ids[p], positions[p], block_tables[p]) for p in parts])
         bs = self.block_size
         slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
         rows = torch.tensor([token_ids, positions, slots])

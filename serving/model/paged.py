@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import ops
-from kernels.modules import FP4Linear
+from kernels.modules import FP4Linear, QuantizedWeight
 from serving.model.attention import (
     SHORT_CHUNK,
     AttentionMetadata,
@@ -83,9 +83,12 @@ class PagedModel:
                     attn.k_norm.weight.detach().expand(attn.num_kv_heads, -1),
                 )
             )
-        # The CPU's paged decode attention is compiled on its first use (about 10 s on
-        # a machine that never built it): at the start, not in the first request's step.
+        # The CPU's C++ ops are compiled on their first use (about 10 s on a machine that
+        # never built them): at the start, not in the first request's step, nor inside a
+        # graph's trace, which cannot follow the lock that guards the build.
         ops.has_paged_decode_attention(self.device)
+        if any(isinstance(m, QuantizedWeight) for m in model.modules()):
+            ops.has_fp4_kernels(self.device)
         self.graphs = None
         if graph_sizes:
             max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // block_size))

@@ -53,10 +53,10 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch, fp4
     assert any(isinstance(m, QuantizedWeight) for m in compiled.model.modules()) == fp4
     graphs = compiled.runner.graphs
     # Warming while the graph compiles (seconds at least: its thread first imports dynamo).
-    assert compiled.warmup() == (0, 1, False)
+    assert compiled.warmup() == (0, 1, False, False)
     graphs.wait()
-    assert graphs.num_ready == 1
-    assert compiled.warmup() == (1, 1, True)
+    assert graphs.ready_sizes == (4,)
+    assert compiled.warmup() == (1, 1, True, True)
     assert eager.warmup().done  # nothing to compile
     compiled_frames = counters["frames"]["total"]
     sizes = []
@@ -82,7 +82,7 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch, fp4
         eos_token_ids=[],
     )
     restarted.runner.graphs.wait()
-    assert restarted.warmup() == (1, 1, True)
+    assert restarted.warmup() == (1, 1, True, True)
     assert counters["frames"]["total"] == frames
     assert [o[0].token_ids for o in restarted.generate(ps, params)] == want
     assert [p.name for p in (tmp_path / "cache" / "graphs").iterdir()] == [stored.name]
@@ -93,7 +93,7 @@ def test_verify_steps_run_in_the_graph_one_row_per_token(tmp_path: Path, monkeyp
     """A sequence's last token and its drafts go through the compiled graph as rows of one
     block table; the rows see each other causally, so speculation keeps eager's tokens."""
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [8])
+    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [2, 8])
     ckpt = save_tiny_moe(tmp_path / "tiny-moe")
     # Prompts that repeat themselves, so prompt lookup drafts from the first step on.
     ps = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7]
@@ -123,6 +123,14 @@ def test_verify_steps_run_in_the_graph_one_row_per_token(tmp_path: Path, monkeyp
     assert got == want
     assert any(rows > seqs for rows, seqs in steps)  # a sequence's token and its drafts
     assert compiled.speculator.stats.num_draft_tokens > 0
+    # As while size 8 still compiles: steps of more rows run in chunks of 2, in order.
+    graphs.ready_sizes = (2,)
+    padded = []
+    call = graphs._call
+    graphs._call = lambda inputs: (padded.append(len(inputs.ids)), call(inputs))[1]
+    steps.clear()
+    assert [o[0].token_ids for o in compiled.generate(ps, params)] == want
+    assert max(rows for rows, _ in steps) > 2 and set(padded) == {2}
 
 
 @pytest.mark.slow
@@ -141,7 +149,7 @@ def test_bf16_graphs_match_eager_steps(tmp_path: Path, monkeypatch, any_dtype_na
     )
     graphs = engine.runner.graphs
     graphs.wait()
-    assert graphs.num_ready == 1
+    assert graphs.ready_sizes == (4,)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts(3, TINY_MOE["vocab_size"], seed=5)):
         engine.add_request(f"r{i}", p, params)
@@ -192,6 +200,6 @@ def test_bf16_weights_held_narrow_compute_what_fp32_weights_do(tmp_path: Path, m
     eager = LLMEngine(wide, EngineConfig(**config), eos_token_ids=[])
     compiled = LLMEngine(narrow, EngineConfig(**config, enforce_eager=False), eos_token_ids=[])
     compiled.runner.graphs.wait()
-    assert compiled.runner.graphs.num_ready == 1
+    assert compiled.runner.graphs.ready_sizes == (4,)
     want = [o[0].token_ids for o in eager.generate(ps, params)]
     assert [o[0].token_ids for o in compiled.generate(ps, params)] == want
