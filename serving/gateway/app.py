@@ -32,7 +32,7 @@ from serving.api_server.serving_engine import APIError
 from serving.gateway import tier_endpoints
 from serving.gateway.admission import Admission, Overloaded
 from serving.gateway.config import GatewayConfig
-from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.metrics import GatewayMetrics, vllm_tier_metrics
 from serving.gateway.proxy import (
     Attempt,
     RelayResponse,
@@ -359,7 +359,8 @@ def build_gateway_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        tiers = await vllm_tier_metrics(gateway.upstreams)
+        return Response(gateway.metrics.render() + tiers, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/metrics/tiers/{tier}")
     async def tier_metrics(tier: str) -> Response:
