@@ -4,7 +4,8 @@ Requests are checked only for what routing needs (the tier validates the rest an
 passes through unchanged), routed, forwarded over pooled connections, and answered with
 which tier answered and why: `X-Tierserve-*` headers on every response, and a `tierserve`
 field in whole responses. Streams pass through byte for byte (only the usage event the
-gateway itself asked for is dropped), so a streamed answer is the tier's own.
+gateway itself asked for is dropped, and vLLM's `reasoning` key is renamed the gateway's
+`reasoning_content`), so a streamed answer is the tier's own.
 """
 
 import asyncio
@@ -41,6 +42,7 @@ from serving.gateway.proxy import (
     annotated,
     client_wants_usage,
     post,
+    reasoning_renamed,
     upstream_payload,
 )
 from serving.gateway.rate_limits import RateLimiter, load_api_keys
@@ -237,6 +239,7 @@ class Gateway:
         if self.config.router.cascade.enabled:
             content, data = await self._cascade(record, path, body, content, data)
         record.usage = data.get("usage")
+        content = reasoning_renamed(self.upstreams[record.decision.tier], content)
         content = annotated(content, record.annotation())
         self.metrics.overhead.observe(overhead + time.perf_counter() - after)
         record.finish("success", 200)

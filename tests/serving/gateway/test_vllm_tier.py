@@ -117,10 +117,11 @@ def client(gateway: Gateway) -> OpenAI:
 
 
 def _reasoning(message: object) -> str | None:
-    """The reasoning vLLM split off: `reasoning` in vLLM 0.32 (`reasoning_content` before it
-    and in our engine); the gateway passes a tier's answer through as the tier wrote it."""
+    """The reasoning split off the answer: vLLM 0.32 calls it `reasoning`, the gateway (as
+    `tierserve engine`) `reasoning_content`, and renames vLLM's."""
     extra = getattr(message, "model_extra", None) or {}
-    return extra.get("reasoning_content") or extra.get("reasoning")
+    assert "reasoning" not in extra, extra
+    return extra.get("reasoning_content")
 
 
 def test_vllm_parses_the_command_line_the_gateway_builds(vllm_python: Path) -> None:

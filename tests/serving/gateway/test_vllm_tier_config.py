@@ -1,12 +1,14 @@
 """A `vllm` tier's config becomes vLLM's command line and environment flag for flag, a wrong
-config is refused by name before anything starts, and the gateway's /metrics carries a vllm
-tier's engine metrics relabelled with its tier. No vLLM needed (`test_vllm_tier.py` runs the
+config is refused by name before anything starts, the gateway's /metrics carries a vllm
+tier's engine metrics relabelled with its tier, and vLLM's `reasoning` field reaches clients
+as the gateway's `reasoning_content`. No vLLM needed (`test_vllm_tier.py` runs the
 real one)."""
 
 import json
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,6 +21,7 @@ from serving.gateway.config import (
 )
 from serving.gateway.metrics import relabeled
 from serving.gateway.supervisor import child_process
+from tests.serving.gateway.scripted_tiers import chat_json, stream_of
 
 SPECULATIVE = {"model": "models/demo-draft", "num_speculative_tokens": 3}
 
@@ -170,3 +173,31 @@ def test_vllm_metrics_are_relabelled_with_their_tier() -> None:
     ttft = families["vllm:time_to_first_token_seconds"]
     assert ttft.type == "histogram" and len(ttft.samples) == 8
     assert relabeled({}) == b""
+
+
+def _vllm_answer(request: httpx.Request) -> httpx.Response:
+    """A tier answering as vLLM 0.32 does: the reasoning in `reasoning`."""
+    text = 'a "reasoning": key in text'  # escaped in the JSON: never renamed
+    if json.loads(request.content).get("stream"):
+        head = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m-full"}
+        deltas = [{"role": "assistant", "reasoning": "think"}, {"content": text}]
+        events = [json.dumps(head | {"choices": [{"index": 0, "delta": d}]}) for d in deltas]
+        chunks = [f"data: {e}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
+        return httpx.Response(200, content=stream_of(chunks))
+    answer = chat_json("m-full", text)
+    answer["choices"][0]["message"]["reasoning"] = "think"
+    return httpx.Response(200, json=answer)
+
+
+async def test_vllms_reasoning_field_is_the_gateways(tiers: dict, client) -> None:
+    tiers["full"].handler = _vllm_answer
+    body = {"model": "full", "messages": [{"role": "user", "content": "Hi"}]}
+    message = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+    assert message["message"]["reasoning_content"] == "think"
+    assert "reasoning" not in message["message"]
+    assert message["message"]["content"] == 'a "reasoning": key in text'
+    response = await client.post("/v1/chat/completions", json=body | {"stream": True})
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line[6:7] == "{"]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0]["reasoning_content"] == "think" and "reasoning" not in deltas[0]
+    assert deltas[1]["content"] == 'a "reasoning": key in text'

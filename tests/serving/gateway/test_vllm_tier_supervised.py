@@ -144,7 +144,7 @@ def test_requests_reach_the_vllm_tier(gateway) -> None:
     response = _chat(gw, "full")
     assert response.status_code == 200, response.text
     assert response.headers["x-tierserve-tier"] == "full"
-    assert response.json()["choices"][0]["message"]["reasoning"] == "r"  # passed through
+    assert response.json()["choices"][0]["message"]["reasoning_content"] == "r"  # renamed
     assert gw.health()["tiers"]["full"]["engine"] == "vllm"
 
 
