@@ -271,7 +271,8 @@ class GatewayConfigError(ValueError):
 def check_checkpoints(config: GatewayConfig) -> None:
     """Refuse to start an embedded tier whose checkpoint is not there or does not agree with
     its config.json (an FP4 checkpoint's codes and scales), or whose device or dtype this
-    machine lacks, rather than restart it forever."""
+    machine lacks, or a vllm tier without its interpreter or checkpoint, rather than restart
+    it forever."""
     for tier in ("full", "highspeed"):
         tier_config = getattr(config.tiers, tier)
         if isinstance(tier_config, VllmTier):
