@@ -4,7 +4,8 @@ Requests are checked only for what routing needs (the tier validates the rest an
 passes through unchanged), routed, forwarded over pooled connections, and answered with
 which tier answered and why: `X-Tierserve-*` headers on every response, and a `tierserve`
 field in whole responses. Streams pass through byte for byte (only the usage event the
-gateway itself asked for is dropped), so a streamed answer is the tier's own.
+gateway itself asked for is dropped, and vLLM's `reasoning` key is renamed the gateway's
+`reasoning_content`), so a streamed answer is the tier's own.
 """
 
 import asyncio
@@ -32,7 +33,7 @@ from serving.api_server.serving_engine import APIError
 from serving.gateway import tier_endpoints
 from serving.gateway.admission import Admission, Overloaded
 from serving.gateway.config import GatewayConfig
-from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.metrics import GatewayMetrics, vllm_tier_metrics
 from serving.gateway.proxy import (
     Attempt,
     RelayResponse,
@@ -41,6 +42,7 @@ from serving.gateway.proxy import (
     annotated,
     client_wants_usage,
     post,
+    reasoning_renamed,
     upstream_payload,
 )
 from serving.gateway.rate_limits import RateLimiter, load_api_keys
@@ -237,6 +239,7 @@ class Gateway:
         if self.config.router.cascade.enabled:
             content, data = await self._cascade(record, path, body, content, data)
         record.usage = data.get("usage")
+        content = reasoning_renamed(self.upstreams[record.decision.tier], content)
         content = annotated(content, record.annotation())
         self.metrics.overhead.observe(overhead + time.perf_counter() - after)
         record.finish("success", 200)
@@ -359,7 +362,8 @@ def build_gateway_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        tiers = await vllm_tier_metrics(gateway.upstreams)
+        return Response(gateway.metrics.render() + tiers, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/metrics/tiers/{tier}")
     async def tier_metrics(tier: str) -> Response:

@@ -5,8 +5,9 @@ With no file, the shipped default: both tiers embedded, served from `models/demo
 `models/demo-highspeed`, routed by `models/router.npz` when it exists (else the heuristic).
 """
 
+import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -75,6 +76,46 @@ class RemoteTier(_Strict):
         return self.model
 
 
+# vLLM's `--dtype` choices.
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+class VllmTier(_Strict):
+    """vLLM's OpenAI server as a child the gateway starts and supervises, as it does an
+    embedded tier. vLLM lives in its own environment (its torch is not ours), so `python` names
+    that environment's interpreter; the fields are vLLM's flags, and `extra_args` takes any
+    other."""
+
+    engine: Literal["vllm"]
+    model: Path  # checkpoint directory (`--model`)
+    python: Path = Path(".venv-vllm/bin/python")  # the interpreter vLLM is installed in
+    port: Port | None = None  # None: a free local port
+    served_model_name: str | None = None  # default: the directory's name
+    dtype: Literal[VLLM_DTYPES] = "auto"
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    max_num_seqs: Annotated[int, Field(ge=1)] | None = None
+    tensor_parallel_size: Annotated[int, Field(ge=1)] | None = None
+    enable_expert_parallel: bool = False  # experts spread over the tensor-parallel GPUs
+    gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    # vLLM's `--speculative-config`, in vLLM's own terms (e.g. a draft model, or MTP).
+    speculative_config: dict[str, Any] | None = None
+    tool_call_parser: str | None = "hermes"  # with --enable-auto-tool-choice; None: neither
+    reasoning_parser: str | None = "qwen3"  # answers' <think> in `reasoning_content`
+    api_key: str | None = None  # if set, vLLM requires it and the gateway sends it
+    # VLLM_CPU_KVCACHE_SPACE: the KV cache of vLLM's CPU build, in GiB (its GPU build sizes
+    # its cache from gpu_memory_utilization instead).
+    cpu_kv_cache_space_gib: Annotated[int, Field(ge=1)] | None = None
+    env: dict[str, str] = {}  # more environment for the child, e.g. CUDA_VISIBLE_DEVICES
+    extra_args: list[str] = []  # appended to the command line as they are
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.resolve().name
+
+
+SupervisedTier = EmbeddedTier | VllmTier  # a child process the gateway starts
+
+
 def _engine(value: object) -> str:
     """The tier's kind; `engine` may be left out for an embedded tier."""
     if isinstance(value, dict):
@@ -83,7 +124,9 @@ def _engine(value: object) -> str:
 
 
 TierConfig = Annotated[
-    Annotated[EmbeddedTier, Tag("embedded")] | Annotated[RemoteTier, Tag("remote")],
+    Annotated[EmbeddedTier, Tag("embedded")]
+    | Annotated[VllmTier, Tag("vllm")]
+    | Annotated[RemoteTier, Tag("remote")],
     Discriminator(_engine),
 ]
 
@@ -214,11 +257,10 @@ class GatewayConfig(_Strict):
         full, highspeed = self.tiers.full.model_name, self.tiers.highspeed.model_name
         if full == highspeed:
             raise ValueError(f"both tiers serve the model name {full!r}; give them distinct names")
-        ports = [
-            t.port for t in (self.tiers.full, self.tiers.highspeed) if isinstance(t, EmbeddedTier)
-        ]
-        if None not in ports and (len(set(ports)) < len(ports) or self.port in ports):
-            raise ValueError("the gateway and the embedded tiers need distinct ports")
+        tiers = (self.tiers.full, self.tiers.highspeed)
+        ports = [t.port for t in tiers if isinstance(t, SupervisedTier) and t.port is not None]
+        if len(set(ports)) < len(ports) or self.port in ports:
+            raise ValueError("the gateway and the tiers it starts need distinct ports")
         return self
 
 
@@ -229,9 +271,12 @@ class GatewayConfigError(ValueError):
 def check_checkpoints(config: GatewayConfig) -> None:
     """Refuse to start an embedded tier whose checkpoint is not there or does not agree with
     its config.json (an FP4 checkpoint's codes and scales), or whose device or dtype this
-    machine lacks, rather than restart it forever."""
+    machine lacks, or a vllm tier without its interpreter or checkpoint, rather than restart
+    it forever."""
     for tier in ("full", "highspeed"):
         tier_config = getattr(config.tiers, tier)
+        if isinstance(tier_config, VllmTier):
+            _check_vllm_tier(tier, tier_config)
         if not isinstance(tier_config, EmbeddedTier):
             continue
         if not (tier_config.model / "config.json").is_file():
@@ -248,6 +293,21 @@ def check_checkpoints(config: GatewayConfig) -> None:
                 resolve_dtype(name, saved, device)
         except (CheckpointError, UnsupportedDtypeError, UnsupportedDeviceError) as e:
             raise GatewayConfigError(f"tiers.{tier}: {e}") from e
+
+
+def _check_vllm_tier(tier: str, config: VllmTier) -> None:
+    """A vLLM tier whose interpreter or checkpoint is missing would fail at every restart;
+    vLLM itself checks the rest (the checkpoint's format, the flags) as it starts."""
+    if not (config.python.is_file() and os.access(config.python, os.X_OK)):
+        raise GatewayConfigError(
+            f"tiers.{tier}.python: {config.python} is not an executable; a vllm tier runs "
+            "vLLM's OpenAI server with the interpreter of the environment vLLM is installed in "
+            "(docs/deploying.md)"
+        )
+    if not (config.model / "config.json").is_file():
+        raise GatewayConfigError(
+            f"tiers.{tier}.model: {config.model} is not a checkpoint directory (no config.json)"
+        )
 
 
 def load_config(path: Path | None) -> GatewayConfig:

@@ -1,18 +1,23 @@
-"""Prometheus metrics of the gateway, under `tierserve_gateway_`.
+"""Prometheus metrics of the gateway, under `tierserve_gateway_`, and the engine metrics of
+its vllm tiers (`vllm:`), scraped from each when the gateway is scraped.
 
 Routing, fallbacks and upstream errors are counted as they happen; each logical request is
 counted exactly once, by the tier that answered it and its outcome, when it ends.
 """
 
+import asyncio
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
+import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from router.policy import Decision, Tier
 from serving.api_server.metrics import REQUEST_BUCKETS
+from serving.gateway.config import VllmTier
 from serving.gateway.upstream import Upstream
 
 log = logging.getLogger("tierserve.requests")
@@ -114,3 +119,61 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+VLLM_PREFIX = "vllm:"
+# A scrape of the gateway waits this long for a vllm tier's metrics, then goes without them
+# (its `tier_up` gauge says why).
+SCRAPE_TIMEOUT_S = 2.0
+
+
+class _Families(Collector):
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families
+
+
+def relabeled(texts: Mapping[Tier, str]) -> bytes:
+    """The `vllm:` families of each tier's exposition text, each sample labelled with its
+    tier (`tier="full"`), merged into one family per name so that two vllm tiers' metrics
+    sit side by side as one metric. A child's process and Python metrics are left out: they
+    describe that process, not the serving, and stay at `/metrics/tiers/{tier}`."""
+    families: dict[str, Metric] = {}
+    for tier, text in texts.items():
+        for family in text_string_to_metric_families(text):
+            if not family.name.startswith(VLLM_PREFIX):
+                continue
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(
+                    family.name, family.documentation, family.type
+                )
+            merged.samples += [s._replace(labels=s.labels | {"tier": tier}) for s in family.samples]
+    if not families:
+        return b""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families.values()))
+    return generate_latest(registry)
+
+
+async def _scrape(upstream: Upstream) -> str | None:
+    try:
+        response = await upstream.client.get(upstream.metrics_url, timeout=SCRAPE_TIMEOUT_S)
+    except httpx.HTTPError:
+        return None
+    return response.text if response.is_success else None
+
+
+async def vllm_tier_metrics(upstreams: Mapping[Tier, Upstream]) -> bytes:
+    """The vllm tiers' engine metrics for the gateway's /metrics, scraped now, side by side:
+    a tier the gateway starts listens on a local port that Prometheus cannot reach, so the
+    gateway's one scrape target carries them. A tier that does not answer is left out."""
+    tiers = [t for t, u in upstreams.items() if isinstance(u.config, VllmTier)]
+    texts = await asyncio.gather(*(_scrape(upstreams[t]) for t in tiers))
+    try:
+        return relabeled({t: text for t, text in zip(tiers, texts, strict=True) if text})
+    except ValueError as e:  # an exposition the parser refuses: the gateway's own still count
+        logging.getLogger(__name__).warning("tier metrics unparsable: %s", e)
+        return b""

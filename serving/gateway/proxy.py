@@ -30,6 +30,7 @@ _USAGE_EVENT = re.compile(rb'"usage":\s*\{')
 # How an SSE stream begins: a field (data, event, id, retry) or a comment (":").
 _SSE_START = re.compile(rb"(data|event|id|retry)?:")
 _SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:")
+_REASONING_KEY = b'"reasoning":'
 
 
 class UpstreamFailure(Exception):
@@ -224,6 +225,18 @@ class RequestRecord:
         )
 
 
+def reasoning_renamed(upstream: Upstream, content: bytes) -> bytes:
+    """A vLLM tier's answer (a whole one, or whole SSE events) with vLLM's `reasoning` field
+    renamed `reasoning_content`: vLLM names the reasoning it splits off `reasoning` (0.32; older
+    versions said `reasoning_content`), where the gateway's API, as `tierserve engine`, says
+    `reasoning_content`, so a client reads one field whichever tier answered. `"reasoning":`
+    with its closing quote bare can only end an object key in JSON (a quote inside a string is
+    escaped), so the rename touches keys, never text. An embedded tier is left as it is."""
+    if upstream.config.engine == "embedded" or _REASONING_KEY not in content:
+        return content
+    return content.replace(_REASONING_KEY, b'"reasoning_content":')
+
+
 def annotated(content: bytes, annotation: dict[str, Any]) -> bytes:
     """The tier's JSON object with one more field, its own bytes otherwise untouched."""
     return content.rstrip()[:-1] + b', "tierserve": ' + orjson.dumps(annotation) + b"}"
@@ -246,9 +259,9 @@ async def relay(
     attempt: Attempt, record: RequestRecord, strip_usage: bool, deadline: float
 ) -> AsyncIterator[bytes]:
     """The tier's SSE stream, passed on as each chunk arrives (whole events only), until the
-    request's deadline (on the event loop's clock). Only a chunk that mentions usage is taken apart
-    into events; the rest pass as they are. A tier that breaks off, or a stream past its
-    deadline, ends with an OpenAI error event and `[DONE]`."""
+    request's deadline (on the event loop's clock). Only a chunk that mentions usage is taken
+    apart into events; the rest pass as they are (vLLM's `reasoning` key renamed). A tier that
+    breaks off, or a stream past its deadline, ends with an OpenAI error event and `[DONE]`."""
     buffer = attempt.first_chunk
     tier = record.decision.tier
     try:
@@ -258,6 +271,7 @@ async def relay(
             events, buffer = buffer[:end], buffer[end:]
             if b'"usage"' in events:
                 events = _account_usage(events, record, strip_usage)
+            events = reasoning_renamed(attempt.upstream, events)
             if events:
                 yield events
             try:
@@ -266,7 +280,7 @@ async def relay(
             except StopAsyncIteration:
                 break
         if buffer:
-            yield buffer
+            yield reasoning_renamed(attempt.upstream, buffer)
         record.finish("success", 200)
     except (httpx.HTTPError, TimeoutError) as e:
         timed_out = isinstance(e, TimeoutError)

@@ -1,6 +1,7 @@
-"""Tier supervision: start each embedded tier as a `tierserve engine` child process, keep every
-tier's health state current, restart crashed children with exponential backoff, and stop
-them all on shutdown.
+"""Tier supervision: start each embedded tier as a `tierserve engine` child process and each
+vllm tier as vLLM's OpenAI server (`serving/gateway/vllm_tier.py`), keep every tier's health
+state current, restart crashed children with exponential backoff, and stop them all on
+shutdown.
 
 The gateway listens while its tiers start and warm up, so its /health can say how far they
 are; a tier takes traffic once its own /health answers 200 (it serves at full speed), and the
@@ -8,7 +9,9 @@ supervisor logs one line when every tier is ready, with how long each took.
 
 Children run in their own process group (a Ctrl-C at the terminal reaches only the gateway,
 which drains before it stops them) and, on Linux, get SIGTERM from the kernel if the
-gateway dies without cleaning up, so no tier outlives its gateway.
+gateway dies without cleaning up, so no tier outlives its gateway. A child that has exited
+(or been stopped) has what is left of its process group killed: vLLM's server runs its engine
+in a process of its own, which would otherwise outlive a killed server and keep its memory.
 """
 
 import asyncio
@@ -21,8 +24,9 @@ import sys
 import time
 
 from router.policy import Tier
-from serving.gateway.config import EmbeddedTier, SupervisorConfig
+from serving.gateway.config import EmbeddedTier, SupervisedTier, SupervisorConfig, VllmTier
 from serving.gateway.upstream import Probe, TierState, Upstream
+from serving.gateway.vllm_tier import vllm_command, vllm_env
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -63,6 +67,19 @@ def engine_command(config: EmbeddedTier, port: int) -> list[str]:
     return command + ["--enforce-eager"] * config.enforce_eager
 
 
+def child_process(config: SupervisedTier, port: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a tier the gateway starts."""
+    if isinstance(config, VllmTier):
+        return vllm_command(config, port), vllm_env(config)
+    return engine_command(config, port), dict(os.environ, OMP_NUM_THREADS=str(config.threads))
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL whatever is left of an exited child's process group (its own children)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 class Supervisor:
     def __init__(self, upstreams: dict[Tier, Upstream], config: SupervisorConfig) -> None:
         self.upstreams = upstreams
@@ -73,14 +90,14 @@ class Supervisor:
         self._announced = False  # the all-ready line has been logged
 
     async def start(self) -> None:
-        """Start every embedded tier's process (raising if one cannot be spawned) and watch
+        """Start every supervised tier's process (raising if one cannot be spawned) and watch
         every tier; returns at once. A tier still not ready after the startup timeout is
         logged and kept trying; the gateway serves with the other."""
         self._began = time.monotonic()
         processes = {
             tier: await self._spawn(u)
             for tier, u in self.upstreams.items()
-            if isinstance(u.config, EmbeddedTier)
+            if isinstance(u.config, SupervisedTier)
         }
         self._tasks = [
             asyncio.create_task(self._watch(u, processes.get(tier)), name=f"watch-{tier}")
@@ -125,24 +142,24 @@ class Supervisor:
     async def _terminate(self, tier: Tier) -> None:
         process = self._processes.pop(tier)
         self.upstreams[tier].state = TierState.STOPPED
-        if process.returncode is not None:
-            return
-        process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), self.config.stop_timeout_s)
-        except TimeoutError:
-            log.warning(
-                "tier %s did not stop in %.0f s: killing it", tier, self.config.stop_timeout_s
-            )
-            process.kill()
-            await process.wait()
+        if process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), self.config.stop_timeout_s)
+            except TimeoutError:
+                log.warning(
+                    "tier %s did not stop in %.0f s: killing it", tier, self.config.stop_timeout_s
+                )
+                process.kill()
+                await process.wait()
+        _kill_group(process.pid)
 
     async def _spawn(self, upstream: Upstream) -> asyncio.subprocess.Process:
-        assert isinstance(upstream.config, EmbeddedTier)
+        assert isinstance(upstream.config, SupervisedTier)
         port = int(upstream.server_root.rsplit(":", 1)[1])
-        env = dict(os.environ, OMP_NUM_THREADS=str(upstream.config.threads))
+        command, env = child_process(upstream.config, port)
         process = await asyncio.create_subprocess_exec(
-            *engine_command(upstream.config, port),
+            *command,
             env=env,
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
@@ -154,13 +171,14 @@ class Supervisor:
         return process
 
     async def _watch(self, upstream: Upstream, process: asyncio.subprocess.Process | None) -> None:
-        """Keep one tier's state current; for an embedded tier (`process`), restart it."""
+        """Keep one tier's state current; for a supervised tier (`process`), restart it."""
         backoff = self.config.restart_backoff_s
         healthy_since: float | None = None
         while True:
             if process is not None and process.returncode is not None:
                 upstream.state = TierState.RESTARTING
                 upstream.last_error = f"process exited with status {process.returncode}"
+                _kill_group(process.pid)
                 log.error(
                     "tier %s: %s; restarting in %.1f s", upstream.tier, upstream.last_error, backoff
                 )

@@ -18,7 +18,7 @@ import httpx
 from httpx_aiohttp import AiohttpTransport
 
 from router.policy import Tier
-from serving.gateway.config import EmbeddedTier, FallbackConfig, RemoteTier
+from serving.gateway.config import FallbackConfig, RemoteTier, SupervisedTier
 
 
 class TierState(StrEnum):
@@ -87,7 +87,7 @@ class TierTransport(AiohttpTransport):
 @dataclass
 class Upstream:
     tier: Tier
-    config: EmbeddedTier | RemoteTier
+    config: SupervisedTier | RemoteTier
     server_root: str  # e.g. http://127.0.0.1:8101, where /health lives
     api_root: str  # e.g. http://127.0.0.1:8101/v1
     client: httpx.AsyncClient  # health checks, metrics; builds the forwarded requests
@@ -155,7 +155,7 @@ class Upstream:
             "metrics_url": self.metrics_url,
             "in_flight": self.in_flight,
         }
-        if isinstance(self.config, EmbeddedTier):
+        if isinstance(self.config, SupervisedTier):
             info |= {"pid": self.pid, "restarts": self.restarts, "ready_s": self.ready_s}
         if self.state == TierState.WARMING:
             info["warmup"] = self.warmup
@@ -178,13 +178,14 @@ def _warmup_of(response: httpx.Response) -> dict[str, Any] | None:
 
 def make_upstream(
     tier: Tier,
-    config: EmbeddedTier | RemoteTier,
+    config: SupervisedTier | RemoteTier,
     fallback: FallbackConfig,
     max_connections: int,
     keepalive_s: float,
 ) -> Upstream:
-    """The upstream of one configured tier; an embedded tier without a port gets a free one."""
-    if isinstance(config, EmbeddedTier):
+    """The upstream of one configured tier; a tier the gateway starts without a port gets a
+    free one."""
+    if isinstance(config, SupervisedTier):
         root = f"http://127.0.0.1:{config.port or free_port()}"
         api_root, api_key = root + "/v1", config.api_key
     else:

@@ -26,6 +26,19 @@ def alive(pid: int) -> bool:
         return f.read().split(") ")[1][0] != "Z"
 
 
+def process_group(pgid: int) -> list[int]:
+    """The live processes of a process group (a tier's server and, for vLLM, its engine)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid and alive(int(entry.name)):
+                    pids.append(int(entry.name))
+            except (ProcessLookupError, FileNotFoundError):
+                pass
+    return pids
+
+
 class Gateway:
     def __init__(self, process: subprocess.Popen, url: str) -> None:
         self.process = process

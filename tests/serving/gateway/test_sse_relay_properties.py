@@ -43,7 +43,8 @@ async def relayed(reads: list[bytes], strip_usage: bool) -> tuple[bytes, Request
         for read in reads[1:]:
             yield read
 
-    upstream = SimpleNamespace(in_flight=1, tier="full")
+    # A vllm tier: its `reasoning` key would be renamed, but never a delta's text.
+    upstream = SimpleNamespace(in_flight=1, tier="full", config=SimpleNamespace(engine="vllm"))
     result = Attempt(upstream, httpx.Response(200), chunks(), first_chunk=reads[0])  # type: ignore[arg-type]
     decision = Decision("full", None, "model", "override")
     record = RequestRecord("r", "/chat/completions", decision, GatewayMetrics({}))
