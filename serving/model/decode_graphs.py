@@ -38,6 +38,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +55,9 @@ from serving.model.precompiled import graph_key, load_or_compile
 
 logger = logging.getLogger(__name__)
 
+# How long the engine's thread may wait for the GIL while graphs compile in the background.
+_BACKGROUND_SWITCH_INTERVAL_S = 0.0002
+
 # vLLM's capture sizes, up to 32 sequences.
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -68,6 +72,19 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
     """The capture sizes a batch of up to `max_num_seqs` sequences pads to."""
     sizes = [s for s in GRAPH_BATCH_SIZES if s < max_num_seqs]
     return sizes + [s for s in GRAPH_BATCH_SIZES if s >= max_num_seqs][:1]
+
+
+def import_compiler() -> None:
+    """Import dynamo and inductor on a thread of their own, so that an engine's start
+    overlaps them with loading its checkpoint, not with its first graph: they are most of a
+    warm start's compile thread, whose graphs otherwise load from disk in a fraction of a
+    second each."""
+
+    def imports() -> None:
+        import torch._dynamo
+        import torch._inductor.compile_fx  # noqa: F401
+
+    threading.Thread(target=imports, name="import-compiler", daemon=True).start()
 
 
 def inductor_config(dtype: torch.dtype) -> contextlib.AbstractContextManager:
@@ -122,13 +139,21 @@ def _in_background() -> contextlib.AbstractContextManager:
     """Lower the calling thread to the lowest CPU priority (nice 19) for good, and compile
     the C++ kernels from it, not from inductor's pool, whose threads keep the priority they
     were started with: the compilers it runs inherit the thread's priority. So the graphs
-    still compiling once a tier serves take only the CPU its requests leave, as a supervised
-    restart's or a cold start's first requests would otherwise share two cores with the
-    C++ compiler."""
+    still compiling once a tier serves take only the CPU its requests leave.
+
+    The GIL is the other shared resource: tracing, code generation and loading a stored
+    graph are long stretches of Python, and the thread that steps the engine takes the GIL
+    back after every kernel (they release it). A waiting thread asks the holder to let go
+    only after the switch interval (5 ms by default, longer than a whole decode step), so
+    it is shortened while the background work runs."""
     from torch._inductor import config
 
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    return config.patch(compile_threads=1)
+    stack = contextlib.ExitStack()
+    stack.callback(sys.setswitchinterval, sys.getswitchinterval())
+    sys.setswitchinterval(_BACKGROUND_SWITCH_INTERVAL_S)
+    stack.enter_context(config.patch(compile_threads=1))
+    return stack
 
 
 class Progress(NamedTuple):
@@ -222,9 +247,9 @@ class DecodeGraphs:
         hold the server's start.
 
         Graphs stored on disk load first (a fraction of a second each once inductor is
-        imported), then the others compile, smallest first. The engine serves at full speed
-        once every stored graph is loaded and the one-stream graph is ready; the rest then
-        compile in the background (`_in_background`)."""
+        imported), then the others compile, smallest first. The engine serves a stream at
+        full speed once the one-stream graph is ready; the rest then load or compile in the
+        background (`_in_background`)."""
         start = time.monotonic()
         dtype = model.embed_tokens.weight.dtype
         # Whole graphs on disk (`precompiled`): static shapes only, and no frozen weights.
@@ -245,11 +270,7 @@ class DecodeGraphs:
                         self._stored[size] = load_or_compile(model, example, paths[size])
                     self._call(padding)
                     self.ready_sizes = tuple(sorted((*self.ready_sizes, size)))
-                    if (
-                        not self.serving
-                        and self.ready_sizes[0] == self.sizes[0]
-                        and len(self.ready_sizes) >= len(on_disk)
-                    ):
+                    if not self.serving and self.ready_sizes[0] == self.sizes[0]:
                         self.serving = True
                         logger.info(
                             "decode steps at full speed for one stream in %.1f s (%d of %d "
