@@ -4,6 +4,7 @@ generation (`generate`) and FP4 conversion (`quantize`)."""
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -139,6 +140,12 @@ def run_engine(args: argparse.Namespace) -> None:
     from serving.api_server.api_server import serve  # FastAPI and uvicorn only when serving
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.standby:
+        from serving.model.decode_graphs import import_compiler
+
+        import_compiler()
+        if not sys.stdin.readline():  # the gateway closed the pipe: it is gone or stopping
+            return
     serve(
         args.model,
         host=args.host,
@@ -162,6 +169,12 @@ def add_engine(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--served-model-name", help="the model name clients use (default: the directory's)"
+    )
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="import everything, then wait for a line on stdin before loading the model "
+        "(the gateway keeps such a process ready to replace a tier that dies)",
     )
     parser.set_defaults(run=run_engine)
 

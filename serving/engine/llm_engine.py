@@ -19,7 +19,7 @@ from serving.engine.tool_constraint import OptionalToolCallConstraint, ToolCallC
 from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
 from serving.model.config import ModelConfig
-from serving.model.decode_graphs import Progress, graph_sizes, import_compiler
+from serving.model.decode_graphs import Progress, graph_sizes
 from serving.model.device import kv_cache_budget, resolve_device
 from serving.model.dtype import resolve_kv_cache_dtype
 from serving.model.host_memory import retain_freed_memory
@@ -164,10 +164,7 @@ class LLMEngine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
         config = config or EngineConfig()
-        device = resolve_device(config.device)
-        if device.type == "cpu" and not config.enforce_eager:
-            import_compiler()  # while the checkpoint loads
-        model = load_checkpoint(path, config.dtype, device)
+        model = load_checkpoint(path, config.dtype, resolve_device(config.device))
         return cls(model, config, Tokenizer.from_dir(path))
 
     def warmup(self) -> Progress:

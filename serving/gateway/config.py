@@ -167,6 +167,9 @@ class SupervisorConfig(_Strict):
     restart_backoff_s: Seconds = 1.0  # doubled after each crash in a row
     max_restart_backoff_s: Seconds = 60.0
     stop_timeout_s: Seconds = 10.0  # SIGTERM to SIGKILL for a child
+    # Per embedded tier, a `tierserve engine --standby` with its imports done, to replace the
+    # tier when it dies (started once the tier is ready).
+    standby: bool = True
 
 
 class TierLimits(_Strict):

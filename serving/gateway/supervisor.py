@@ -7,6 +7,13 @@ The gateway listens while its tiers start and warm up, so its /health can say ho
 are; a tier takes traffic once its own /health answers 200 (it serves at full speed), and the
 supervisor logs one line when every tier is ready, with how long each took.
 
+A restart's start is mostly imports (torch, dynamo, inductor, FastAPI), so, as a process
+pool keeps workers forked ahead, the supervisor keeps one standby per embedded tier once the
+tier is ready: `tierserve engine --standby` past its imports, waiting for a line on its stdin
+before it loads the checkpoint and binds the tier's port. A tier that dies is replaced by its
+standby, and a new standby is started once the replacement is ready. A standby holds no
+weights (the imports' memory only) and exits when its stdin closes.
+
 Children run in their own process group (a Ctrl-C at the terminal reaches only the gateway,
 which drains before it stops them) and, on Linux, get SIGTERM from the kernel if the
 gateway dies without cleaning up, so no tier outlives its gateway. A child that has exited
@@ -80,11 +87,25 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+async def _release(standby: asyncio.subprocess.Process) -> bool:
+    """Tell a standby to start; False if it has died meanwhile."""
+    assert standby.stdin is not None
+    if standby.returncode is not None:
+        return False
+    try:
+        standby.stdin.write(b"start\n")
+        await standby.stdin.drain()
+    except (BrokenPipeError, ConnectionResetError):
+        return False
+    return True
+
+
 class Supervisor:
     def __init__(self, upstreams: dict[Tier, Upstream], config: SupervisorConfig) -> None:
         self.upstreams = upstreams
         self.config = config
         self._processes: dict[Tier, asyncio.subprocess.Process] = {}
+        self._standbys: dict[Tier, asyncio.subprocess.Process] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._began = time.monotonic()
         self._announced = False  # the all-ready line has been logged
@@ -137,38 +158,68 @@ class Supervisor:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(self._terminate(tier) for tier in list(self._processes)))
+        for tier in self._processes:
+            self.upstreams[tier].state = TierState.STOPPED
+        processes = [*self._processes.values(), *self._standbys.values()]
+        self._processes, self._standbys = {}, {}
+        await asyncio.gather(*(self._terminate(p) for p in processes))
 
-    async def _terminate(self, tier: Tier) -> None:
-        process = self._processes.pop(tier)
-        self.upstreams[tier].state = TierState.STOPPED
+    async def _terminate(self, process: asyncio.subprocess.Process) -> None:
         if process.returncode is None:
             process.terminate()
             try:
                 await asyncio.wait_for(process.wait(), self.config.stop_timeout_s)
             except TimeoutError:
                 log.warning(
-                    "tier %s did not stop in %.0f s: killing it", tier, self.config.stop_timeout_s
+                    "pid %d did not stop in %.0f s: killing it",
+                    process.pid,
+                    self.config.stop_timeout_s,
                 )
                 process.kill()
                 await process.wait()
         _kill_group(process.pid)
 
     async def _spawn(self, upstream: Upstream) -> asyncio.subprocess.Process:
+        """Start the tier: its standby if it has one alive, else a new process."""
+        process = self._standbys.pop(upstream.tier, None)
+        upstream.standby_pid = None
+        if process is not None and not await _release(process):
+            log.warning("tier %s: its standby pid %d is gone; starting anew", upstream.tier,
+                        process.pid)  # fmt: skip
+            _kill_group(process.pid)
+            process = None
+        if process is None:
+            process = await self._start_process(upstream, standby=False)
+        self._processes[upstream.tier] = process
+        upstream.pid = process.pid
+        upstream.started_at = time.monotonic()
+        port = upstream.server_root.rsplit(":", 1)[1]
+        log.info("tier %s: started pid %d on port %s", upstream.tier, process.pid, port)
+        return process
+
+    async def _start_process(self, upstream: Upstream, standby: bool) -> asyncio.subprocess.Process:
         assert isinstance(upstream.config, SupervisedTier)
         port = int(upstream.server_root.rsplit(":", 1)[1])
         command, env = child_process(upstream.config, port)
-        process = await asyncio.create_subprocess_exec(
+        return await asyncio.create_subprocess_exec(
             *command,
+            *["--standby"] * standby,
+            stdin=asyncio.subprocess.PIPE if standby else None,
             env=env,
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
-        self._processes[upstream.tier] = process
-        upstream.pid = process.pid
-        upstream.started_at = time.monotonic()
-        log.info("tier %s: started pid %d on port %d", upstream.tier, process.pid, port)
-        return process
+
+    async def _keep_standby(self, upstream: Upstream) -> None:
+        """Start the tier's standby if it should have one and has none alive."""
+        if not (self.config.standby and isinstance(upstream.config, EmbeddedTier)):
+            return
+        standby = self._standbys.get(upstream.tier)
+        if standby is None or standby.returncode is not None:
+            standby = await self._start_process(upstream, standby=True)
+            self._standbys[upstream.tier] = standby
+            upstream.standby_pid = standby.pid
+            log.info("tier %s: standby pid %d", upstream.tier, standby.pid)
 
     async def _watch(self, upstream: Upstream, process: asyncio.subprocess.Process | None) -> None:
         """Keep one tier's state current; for a supervised tier (`process`), restart it."""
@@ -193,6 +244,7 @@ class Supervisor:
                 if upstream.state != TierState.HEALTHY:
                     self._became_ready(upstream, now)
                     healthy_since = now
+                    await self._keep_standby(upstream)
                 if healthy_since is not None and now - healthy_since > _STABLE_S:
                     backoff = self.config.restart_backoff_s
             elif probe == Probe.WARMING:

@@ -96,6 +96,7 @@ class Upstream:
     in_flight: int = 0
     restarts: int = 0
     pid: int | None = None
+    standby_pid: int | None = None  # the process kept ready to replace it (`supervisor`)
     last_error: str | None = field(default=None)
     warmup: dict[str, Any] | None = None  # the tier's last warm-up progress, while warming
     started_at: float | None = None  # when its process was (re)started, monotonic
@@ -156,7 +157,8 @@ class Upstream:
             "in_flight": self.in_flight,
         }
         if isinstance(self.config, SupervisedTier):
-            info |= {"pid": self.pid, "restarts": self.restarts, "ready_s": self.ready_s}
+            info |= {"pid": self.pid, "standby_pid": self.standby_pid,
+                     "restarts": self.restarts, "ready_s": self.ready_s}  # fmt: skip
         if self.state == TierState.WARMING:
             info["warmup"] = self.warmup
         if self.last_error and self.state != TierState.HEALTHY:

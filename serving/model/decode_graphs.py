@@ -75,16 +75,12 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
 
 
 def import_compiler() -> None:
-    """Import dynamo and inductor on a thread of their own, so that an engine's start
-    overlaps them with loading its checkpoint, not with its first graph: they are most of a
-    warm start's compile thread, whose graphs otherwise load from disk in a fraction of a
-    second each."""
-
-    def imports() -> None:
-        import torch._dynamo
-        import torch._inductor.compile_fx  # noqa: F401
-
-    threading.Thread(target=imports, name="import-compiler", daemon=True).start()
+    """Import dynamo and inductor, most of a warm start's compile thread, whose graphs then
+    load from disk in a fraction of a second each: a standby engine (`tierserve engine
+    --standby`) does it before it waits. On the calling thread, with no other thread
+    importing: two threads importing torch's modules at once can fail on their cycles."""
+    import torch._dynamo
+    import torch._inductor.compile_fx  # noqa: F401
 
 
 def inductor_config(dtype: torch.dtype) -> contextlib.AbstractContextManager:

@@ -107,6 +107,7 @@ def child_pids(gw: Gateway) -> list[int]:
     if gw.process.poll() is not None:
         return []
     try:
-        return [t["pid"] for t in gw.health()["tiers"].values()]
+        tiers = gw.health()["tiers"].values()
+        return [pid for t in tiers for pid in (t["pid"], t.get("standby_pid")) if pid]
     except httpx.HTTPError:
         return []

@@ -69,11 +69,14 @@ class Load(threading.Thread):
 @pytest.mark.serial
 def test_sigkill_of_a_tier_under_load(random_checkpoint: Path, tmp_path: Path):
     """In-flight streams on the killed tier end with an error event, new requests fall over
-    to the other tier, the supervisor restarts it, and the full tier serves again once it is
-    ready (its compiled decode steps loaded), no request lost meanwhile."""
+    to the other tier, the supervisor restarts it from its standby, and the full tier serves
+    again once it is ready (its compiled decode steps loaded), no request lost meanwhile."""
     gw = start_gateway(random_checkpoint, tmp_path, enforce_eager=False)
-    pids = child_pids(gw)
     try:
+        while (standby_pid := gw.health()["tiers"]["full"]["standby_pid"]) is None:
+            time.sleep(0.1)  # started once the tier is ready
+        pids = child_pids(gw)
+        assert standby_pid in pids
         full_pid = gw.health()["tiers"]["full"]["pid"]
         streams = [Stream(gw.url, "full") for _ in range(3)]
         load = Load(gw.url)
@@ -103,9 +106,10 @@ def test_sigkill_of_a_tier_under_load(random_checkpoint: Path, tmp_path: Path):
         assert load.statuses and set(load.statuses) == {200}, load.statuses
         health = gw.health()
         assert health["status"] == "ok" and health["tiers"]["full"]["restarts"] == 1
-        assert health["tiers"]["full"]["pid"] != full_pid
+        assert health["tiers"]["full"]["pid"] == standby_pid
+        assert health["tiers"]["full"]["standby_pid"] not in (None, standby_pid)
     finally:
-        stop(gw, pids + child_pids(gw))
+        stop(gw, child_pids(gw))
 
 
 def _bindable(port: int) -> bool:
