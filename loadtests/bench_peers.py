@@ -157,7 +157,7 @@ def warm_up(port: int, vocab: int, limit_s: float) -> int:
     prompt = [p[:PROMPT_TOKENS] for p in make_prompts(1, vocab, seed=99)]
     previous, runs, start = None, 0, time.monotonic()
     while time.monotonic() - start < limit_s:
-        rate = asyncio.run(run_api(port, prompt, 32))["tps"]
+        rate = asyncio.run(run_api(port, prompt, 32, fresh=True))["tps"]
         runs += 1
         if previous is not None and abs(rate - previous) <= 0.1 * max(rate, previous):
             return runs
@@ -173,7 +173,7 @@ def measure(server: Server, args: argparse.Namespace, vocab: int, work: Path) ->
         rates = {}
         for c in args.concurrency:
             prompts = [p[:PROMPT_TOKENS] for p in make_prompts(c, vocab, seed=c)]
-            rates[c] = asyncio.run(run_api(port, prompts, args.new_tokens))["tps"]
+            rates[c] = asyncio.run(run_api(port, prompts, args.new_tokens, fresh=True))["tps"]
             print(f"  {c} streams: {rates[c]:.0f} tok/s", flush=True)
     return rates
 
