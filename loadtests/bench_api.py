@@ -99,13 +99,15 @@ async def one_request(
     return tokens, ttft
 
 
-async def run_api(port: int, prompts: list[list[int]], new: int) -> dict:
+async def run_api(port: int, prompts: list[list[int]], new: int, fresh: bool = False) -> dict:
     """The streams through aiohttp, as vLLM's serving benchmark sends them: the client shares
-    the server's 2 cores, and httpx's line reader cost 3-4x the CPU a chunk."""
+    the server's 2 cores, and httpx's line reader cost 3-4x the CPU a chunk. `fresh`: a new
+    connection a request (llama-server closes one after a streamed answer while announcing
+    keep-alive, and the next request on it fails)."""
     gaps: list[float] = []
     ttfts: list[float] = []
     url = f"http://127.0.0.1:{port}"
-    connector = aiohttp.TCPConnector(limit=len(prompts) + 4)
+    connector = aiohttp.TCPConnector(limit=len(prompts) + 4, force_close=fresh)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 

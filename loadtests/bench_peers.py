@@ -5,9 +5,12 @@ ratio to llama-server at the same precision.
 Every server gets the benchmark checkpoint (`loadtests/bench-moe-43m.json`, random weights,
 built by `bench_engine.build_checkpoint`) and `bench_api`'s client: streamed greedy
 `/v1/completions`, prompts of 128 token ids, 128 new tokens, EOS ignored, 2 requests a
-stream. A server is measured warm: once its `/health` answers 200, one-stream runs repeat
-until two in a row agree within 10% (a server that compiles in the background is not timed
-while it compiles). Servers run one at a time, each on all the cores.
+stream, each request on a connection of its own. A server is measured warm: once its
+`/health` answers 200 with nothing left to compile (ours answers 200 with a `warmup` body
+while batch sizes past one stream compile in the background), one-stream runs repeat until
+two in a row agree within 10%. Servers run one at a time, each on all the cores. A row that
+cannot run (a failed conversion, a server that exits, a dtype refused on this CPU) says why
+under the table.
 
 Peers run where they are installed (docs/benchmarks.md: how to build each on this machine):
 `--llama-cpp DIR` is a llama.cpp source tree with `build/bin/llama-server` and
@@ -32,11 +35,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import httpx
+import torch
 
 from loadtests.bench_api import PROMPT_TOKENS, run_api
 from loadtests.bench_engine import build_checkpoint, make_prompts
 from serving.gateway.upstream import free_port
+from serving.model.dtype import is_supported
 
 TIERSERVE = [sys.executable, "-c", "from serving.cli import main; main()"]
 # Tells llama.cpp's converter our pre-tokenizer (Qwen2's: digits one at a time) instead of
@@ -58,6 +64,19 @@ class Server:
     precision: str  # rows of the same precision are compared
     command: list[str]
     env: dict[str, str]
+    error: str | None = None  # why it cannot run here, found before it starts
+
+
+def last_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[-1]
+
+
+def convert(command: list[str], out: Path) -> None:
+    """One conversion to `out`; a failure leaves no partial file and raises with its last line."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        out.unlink(missing_ok=True)
+        raise RuntimeError(f"{out.name}: {last_line(done.stderr + done.stdout)}")
 
 
 def cpu_flags() -> str:
@@ -79,11 +98,11 @@ def gguf_files(llama_cpp: Path, checkpoint: Path, out: Path) -> dict[str, Path]:
         if not files[outtype].exists():
             args = [str(checkpoint), "--outtype", outtype, "--outfile", str(files[outtype])]
             code = CONVERT.format(root=str(llama_cpp), args=args)
-            subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+            convert([sys.executable, "-c", code], files[outtype])
     if not files["mxfp4"].exists():
         quantize = llama_cpp / "build" / "bin" / "llama-quantize"
         command = [str(quantize), str(files["f32"]), str(files["mxfp4"]), "MXFP4_MOE"]
-        subprocess.run(command, check=True, capture_output=True)
+        convert(command, files["mxfp4"])
     return files
 
 
@@ -95,17 +114,26 @@ def servers(args: argparse.Namespace, checkpoint: Path, work: Path) -> list[Serv
     if args.llama_cpp:
         binary = str(args.llama_cpp / "build" / "bin" / "llama-server")
         context = str(max(args.concurrency) * 512)
-        for precision, path in gguf_files(args.llama_cpp, checkpoint, work).items():
+        try:
+            files, error = gguf_files(args.llama_cpp, checkpoint, work), None
+        except (RuntimeError, OSError) as e:  # every llama-server row says why
+            files = {p: work / f"bench-{p}.gguf" for p in ("f32", "bf16", "mxfp4")}
+            error = f"GGUF conversion failed: {e}"
+        for precision, path in files.items():
             command = [binary, "-m", str(path), "-t", threads, "-np", most, "-c", context]
-            rows.append(Server(f"llama-server, {precision}", precision, command, env))
+            rows.append(Server(f"llama-server, {precision}", precision, command, env, error))
     fp4 = work / "bench-mxfp4"
     if not (fp4 / "config.json").exists():
         quantize = [*TIERSERVE, "quantize", "--model", str(checkpoint), "--out", str(fp4)]
-        subprocess.run([*quantize, "--format", "mxfp4"], check=True, capture_output=True)
+        subprocess.run([*quantize, "--format", "mxfp4"], check=True)
+    # Without native bf16 (AVX2 only) our engine refuses --dtype bfloat16, and the bf16 row says
+    # so; the FP4 experts then run beside the rest in fp32, as the quantized checkpoint stores it.
+    fp4_rest = "bfloat16" if is_supported(torch.bfloat16) else "float32"
+    fp4_name = "tierserve engine, MXFP4 experts" + (", rest fp32" if fp4_rest == "float32" else "")
     for name, model, dtype, precision in (
         ("tierserve engine, fp32", checkpoint, "float32", "f32"),
         ("tierserve engine, bf16", checkpoint, "bfloat16", "bf16"),
-        ("tierserve engine, MXFP4 experts", fp4, "bfloat16", "mxfp4"),
+        (fp4_name, fp4, fp4_rest, "mxfp4"),
     ):
         command = [*TIERSERVE, "engine", "--model", str(model), "--dtype", dtype]
         command += ["--served-model-name", "bench", "--max-num-seqs", "64"]
@@ -115,14 +143,24 @@ def servers(args: argparse.Namespace, checkpoint: Path, work: Path) -> list[Serv
             command = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server"]
             command += ["--model", str(checkpoint), "--dtype", dtype]
             command += ["--served-model-name", "bench", "--max-model-len", "1024"]
-            vllm_env = env | {"VLLM_CPU_KVCACHE_SPACE": "2"}
+            vllm_env = env | {"VLLM_CPU_KVCACHE_SPACE": "1"}
             rows.append(Server(f"vLLM CPU build, {precision}", precision, command, vllm_env))
     return rows
 
 
+def warm(health: httpx.Response) -> bool:
+    """200 and nothing compiling: our engine answers 200 once one stream runs at full speed,
+    with a `warmup` body while its other batch sizes still compile in the background."""
+    if health.status_code != 200:
+        return False
+    with contextlib.suppress(ValueError):  # vLLM's 200 has no body
+        return "warmup" not in health.json()
+    return True
+
+
 @contextlib.contextmanager
 def running(server: Server, log: Path, timeout: float) -> Iterator[int]:
-    """The server on a free port, once its /health answers 200."""
+    """The server on a free port, once its /health answers 200 with nothing left to compile."""
     port = free_port()
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -135,11 +173,12 @@ def running(server: Server, log: Path, timeout: float) -> Iterator[int]:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{server.name} exited: {log.read_text()[-2000:]}")
+                tail = last_line(log.read_text())
+                raise RuntimeError(f"exited with {proc.returncode}: {tail} (log: {log})")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{server.name} not healthy in {timeout:.0f} s; log: {log}")
+                raise RuntimeError(f"not healthy in {timeout:.0f} s (log: {log})")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                if warm(httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)):
                     break
             time.sleep(0.5)
         yield port
@@ -157,7 +196,7 @@ def warm_up(port: int, vocab: int, limit_s: float) -> int:
     prompt = [p[:PROMPT_TOKENS] for p in make_prompts(1, vocab, seed=99)]
     previous, runs, start = None, 0, time.monotonic()
     while time.monotonic() - start < limit_s:
-        rate = asyncio.run(run_api(port, prompt, 32))["tps"]
+        rate = asyncio.run(run_api(port, prompt, 32, fresh=True))["tps"]
         runs += 1
         if previous is not None and abs(rate - previous) <= 0.1 * max(rate, previous):
             return runs
@@ -166,6 +205,8 @@ def warm_up(port: int, vocab: int, limit_s: float) -> int:
 
 
 def measure(server: Server, args: argparse.Namespace, vocab: int, work: Path) -> dict[int, float]:
+    if server.error:
+        raise RuntimeError(server.error)
     log = work / f"{server.name.replace(' ', '_').replace(',', '')}.log"
     with running(server, log, args.startup_timeout) as port:
         runs = warm_up(port, vocab, args.warmup_timeout)
@@ -173,13 +214,19 @@ def measure(server: Server, args: argparse.Namespace, vocab: int, work: Path) ->
         rates = {}
         for c in args.concurrency:
             prompts = [p[:PROMPT_TOKENS] for p in make_prompts(c, vocab, seed=c)]
-            rates[c] = asyncio.run(run_api(port, prompts, args.new_tokens))["tps"]
+            rates[c] = asyncio.run(run_api(port, prompts, args.new_tokens, fresh=True))["tps"]
             print(f"  {c} streams: {rates[c]:.0f} tok/s", flush=True)
     return rates
 
 
-def table(results: dict[str, dict[int, float]], rows: list[Server], concurrency: list[int]) -> str:
-    """Tokens/s and, after each, the ratio to llama-server at the row's precision."""
+def table(
+    results: dict[str, dict[int, float]],
+    failures: dict[str, str],
+    rows: list[Server],
+    concurrency: list[int],
+) -> str:
+    """Tokens/s and, after each, the ratio to llama-server at the row's precision; under it,
+    why each failed row failed."""
     reference = {r.precision: results.get(r.name) for r in rows if r.name.startswith("llama")}
     head = " | ".join(f"{c} stream{'s' * (c > 1)}" for c in concurrency)
     lines = [f"| server | {head} |", "|---|" + "---|" * len(concurrency)]
@@ -196,6 +243,7 @@ def table(results: dict[str, dict[int, float]], rows: list[Server], concurrency:
             )
             cells.append(f"{rates[c]:.0f}{ratio}")
         lines.append(f"| {row.name} | " + " | ".join(cells) + " |")
+    lines += [f"\n{name} failed: {why}" for name, why in failures.items()]
     return "\n".join(lines)
 
 
@@ -220,17 +268,19 @@ def main() -> None:
     if args.only:
         rows = [r for r in rows if any(o in r.name for o in args.only)]
     results: dict[str, dict[int, float]] = {}
+    failures: dict[str, str] = {}
     for server in rows:
         try:
             results[server.name] = measure(server, args, vocab, work)
-        except (RuntimeError, httpx.HTTPError, OSError) as e:
-            print(f"{server.name}: {e}", flush=True)
+        except (RuntimeError, httpx.HTTPError, aiohttp.ClientError, OSError) as e:
+            failures[server.name] = str(e) or type(e).__name__
+            print(f"{server.name} failed: {failures[server.name]}", flush=True)
     print(
         f"\nbench-moe-43m, streamed greedy /v1/completions, {PROMPT_TOKENS}-token prompts, "
         f"{args.new_tokens} new tokens, 2 requests a stream, {args.threads} threads; "
         f"CPU flags: {cpu_flags()}; generated tokens/s (x llama-server at the same precision)"
     )
-    print(table(results, rows, args.concurrency))
+    print(table(results, failures, rows, args.concurrency))
 
 
 if __name__ == "__main__":
