@@ -37,7 +37,7 @@ struct FloatRow {
   float row_scale;
 
   Vec load(int64_t k) const { return Vec::loadu(w + k); }
-  Vec load_tail(int64_t k, int64_t n) const { return Vec::loadu(w + k, n); }
+  float at(int64_t k) const { return w[k]; }
 };
 
 // bf16 bits to the fp32 value they are the high half of.
@@ -61,14 +61,12 @@ struct BFloat16Row {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 #else
-    return load_tail(k, kLanes);
+    alignas(64) float v[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) v[i] = at(k + i);
+    return Vec::loadu(v);
 #endif
   }
-  Vec load_tail(int64_t k, int64_t n) const {
-    alignas(64) float v[kLanes] = {};
-    for (int64_t i = 0; i < n; ++i) v[i] = widen(w[k + i]);
-    return Vec::loadu(v);
-  }
+  float at(int64_t k) const { return widen(w[k]); }
 };
 
 // A dense matrix [groups, N, K], row-major, of fp32 (T = float) or bf16 bits (T = uint16_t).

@@ -151,7 +151,7 @@ struct Fp4Row {
     return dec(codes + k / 2);
   }
   // Never called: rows are whole blocks, so whole vectors.
-  Vec load_tail(int64_t k, int64_t) { return load(k); }
+  float at(int64_t) const { return 0.0f; }
 };
 
 // An FP4 matrix [groups, N, K] (one group for a linear layer, one per expert for the experts).

@@ -11,7 +11,7 @@
 // What a weight is, is a `Matrix` type: a [groups, N, K] array (one group for a linear
 // layer, one per expert) whose `row(g, n)` is a reader of one weight row with
 //   Vec load(k): the weights k .. k + kLanes as fp32 (k a multiple of kLanes),
-//   Vec load_tail(k, n): the last n < kLanes of them, zeros after,
+//   float at(k): weight k, for the tail of a row that is not whole vectors,
 //   float row_scale: a factor of the row's sums (NVFP4's tensor scale, else 1),
 // and the products, the experts' grouping and their element-wise steps are written once.
 
@@ -29,6 +29,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 namespace tierserve {
 
 using Vec = at::vec::Vectorized<float>;
@@ -38,9 +42,30 @@ constexpr int64_t kMaxTile = 8;
 // Weight rows a work item takes at once: what the tiles of one or two activation rows use.
 constexpr int64_t kRowGroup = 4;
 
-inline float lane_sum(const Vec& v) {
+// A tile's sums live in the capability's own vector registers: as ATen's `Vectorized`
+// objects, the compiler kept them on the stack too, stored at every step of the tile's loop.
+#if defined(CPU_CAPABILITY_AVX512)
+using Reg = __m512;
+inline Reg zero() { return _mm512_setzero_ps(); }
+inline Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+inline float lane_sum(Reg v) { return _mm512_reduce_add_ps(v); }
+#elif defined(CPU_CAPABILITY_AVX2)
+using Reg = __m256;
+inline Reg zero() { return _mm256_setzero_ps(); }
+inline Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+inline float lane_sum(Reg v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+using Reg = Vec;
+inline Reg zero() { return Vec(0.0f); }
+inline Reg fmadd(Reg a, Reg b, Reg c) { return at::vec::fmadd(a, b, c); }
+inline float lane_sum(Reg v) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
 }
+#endif
 
 // y[r * ldy + j] = row_scale_j * x_r . w_j for R activation rows x_r = x + r * ldx and NR
 // weight rows w_j. Each weight vector goes into every activation row, and each loaded
@@ -48,29 +73,25 @@ inline float lane_sum(const Vec& v) {
 // multiply-adds do not wait on one another, and a tile's setup and final lane sums are shared.
 template <int64_t R, int64_t NR, class Row>
 inline void dot_tile(const float* x, int64_t ldx, Row* w, int64_t K, float* y, int64_t ldy) {
-  Vec acc[R][NR];
+  Reg acc[R][NR];
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < NR; ++j) acc[r][j] = Vec(0.0f);
+    for (int64_t j = 0; j < NR; ++j) acc[r][j] = zero();
   const int64_t whole = K - K % kLanes;
   for (int64_t k = 0; k < whole; k += kLanes) {
-    Vec xv[R];
+    Reg xv[R];
     for (int64_t r = 0; r < R; ++r) xv[r] = Vec::loadu(x + r * ldx + k);
     for (int64_t j = 0; j < NR; ++j) {
-      const Vec v = w[j].load(k);
-      for (int64_t r = 0; r < R; ++r) acc[r][j] = at::vec::fmadd(xv[r], v, acc[r][j]);
+      const Reg v = w[j].load(k);
+      for (int64_t r = 0; r < R; ++r) acc[r][j] = fmadd(xv[r], v, acc[r][j]);
     }
   }
-  if (whole < K) {
-    const int64_t n = K - whole;
-    Vec xv[R];
-    for (int64_t r = 0; r < R; ++r) xv[r] = Vec::loadu(x + r * ldx + whole, n);
-    for (int64_t j = 0; j < NR; ++j) {
-      const Vec v = w[j].load_tail(whole, n);
-      for (int64_t r = 0; r < R; ++r) acc[r][j] = at::vec::fmadd(xv[r], v, acc[r][j]);
-    }
-  }
+  // The tail of a row that is not whole vectors, lane by lane.
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < NR; ++j) y[r * ldy + j] = lane_sum(acc[r][j]) * w[j].row_scale;
+    for (int64_t j = 0; j < NR; ++j) {
+      float sum = lane_sum(acc[r][j]);
+      for (int64_t k = whole; k < K; ++k) sum += x[r * ldx + k] * w[j].at(k);
+      y[r * ldy + j] = sum * w[j].row_scale;
+    }
 }
 
 // y[r * ldy + j] for `rows` rows of x (stride ldx) against n weight rows w_j (n <= kRowGroup):
