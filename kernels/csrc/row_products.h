@@ -72,7 +72,10 @@ inline float lane_sum(Reg v) {
 // activation vector into every weight row; the R * NR sums are independent, so the fused
 // multiply-adds do not wait on one another, and a tile's setup and final lane sums are shared.
 template <int64_t R, int64_t NR, class Row>
-inline void dot_tile(const float* x, int64_t ldx, Row* w, int64_t K, float* y, int64_t ldy) {
+inline void dot_tile(const float* x, int64_t ldx, const Row* rows, int64_t K, float* y,
+                     int64_t ldy) {
+  Row w[NR];  // the tile's own copies: a reader's state (an FP4 block's table) stays in registers
+  for (int64_t j = 0; j < NR; ++j) w[j] = rows[j];
   Reg acc[R][NR];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < NR; ++j) acc[r][j] = zero();
@@ -99,7 +102,7 @@ inline void dot_tile(const float* x, int64_t ldx, Row* w, int64_t K, float* y, i
 // registers); more run in tiles of up to kMaxTile rows, one weight row at a time, so a weight
 // row is read from memory once and from L1 by the following tiles.
 template <class Row>
-void dot_rows(const float* x, int64_t ldx, int64_t rows, Row* w, int64_t n, int64_t K, float* y,
+void dot_rows(const float* x, int64_t ldx, int64_t rows, const Row* w, int64_t n, int64_t K, float* y,
               int64_t ldy) {
   if (rows <= 2) {
     int64_t j = 0;
