@@ -56,10 +56,13 @@ def available() -> bool:
 
 
 def runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether the ops take these activations and weights: built, fp32 activations, and
-    contiguous weights of a dtype they read, all on the CPU."""
+    """Whether the ops take these activations and weights: more than one row, fp32, and
+    contiguous weights of a dtype they read, all on the CPU, the ops built. A single row reads
+    each weight once however it is written, and inductor's fused reduction spares the op's call
+    and fuses with its neighbours, so one-row steps keep it."""
     return (
-        x.device.type == "cpu"
+        x.numel() > x.shape[-1]
+        and x.device.type == "cpu"
         and x.dtype == torch.float32
         and all(
             w.device.type == "cpu" and w.dtype in WEIGHT_DTYPES and w.is_contiguous()

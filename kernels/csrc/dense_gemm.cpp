@@ -8,7 +8,8 @@
 //   linear(x [M, K] f32, weight [N, K] f32 or bf16) -> [M, N] f32: x @ W.t();
 //   moe(x [T, H] f32, topk_weights [T, k] f32, topk_ids [T, k] i64, gate_up [E, 2I, H],
 //       down [E, H, I], both f32 or both bf16)
-//     -> [T, H] f32: sum_k topk_weights[t, k] * down_e(silu(gate_e x) * up_e x), e = topk_ids[t, k].
+//     -> [T, H] f32: sum_k topk_weights[t, k] * down_e(silu(gate_e x) * up_e x),
+//        e = topk_ids[t, k].
 //
 // - AVX-512 / AVX2: a bf16 vector is widened by zero-extending its 16-bit lanes and shifting
 //   them into the high half;

@@ -102,8 +102,8 @@ inline void dot_tile(const float* x, int64_t ldx, const Row* rows, int64_t K, fl
 // registers); more run in tiles of up to kMaxTile rows, one weight row at a time, so a weight
 // row is read from memory once and from L1 by the following tiles.
 template <class Row>
-void dot_rows(const float* x, int64_t ldx, int64_t rows, const Row* w, int64_t n, int64_t K, float* y,
-              int64_t ldy) {
+void dot_rows(const float* x, int64_t ldx, int64_t rows, const Row* w, int64_t n, int64_t K,
+              float* y, int64_t ldy) {
   if (rows <= 2) {
     int64_t j = 0;
     for (; rows == 1 && j + 4 <= n; j += 4) dot_tile<1, 4>(x, ldx, w + j, K, y + j, ldy);

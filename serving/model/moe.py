@@ -105,8 +105,9 @@ def gathered_experts(
     down: torch.Tensor,
 ) -> torch.Tensor:
     """`grouped_experts` written for a compiled decode step (at most 32 tokens), where the C++
-    op that reads each used expert once a step (`kernels/cpu_dense.py`) cannot run: it was not
-    built, or the weights are neither fp32 nor bf16, or the step computes in half precision.
+    op that reads each used expert once a step (`kernels/cpu_dense.py`) does not run: a single
+    token (which reads its experts once either way), an op that was not built, weights neither
+    fp32 nor bf16, or a step that computes in half precision.
 
     Each token's expert weights are indexed and reduced against it in fp32, which inductor
     fuses into one loop that reads the indexed weights in place (no gathered copy), row-major

@@ -58,6 +58,15 @@ def test_linear_keeps_leading_dimensions():
     assert_matches(cpu_dense.dense_linear(x, w), F.linear(x, w.float()))
 
 
+def test_the_ops_run_for_more_than_one_row_of_what_they_read():
+    w = randn(8, 64, seed=0)
+    assert cpu_dense.runs(randn(2, 64, seed=1), w, w.bfloat16())
+    assert not cpu_dense.runs(randn(1, 64, seed=1), w)  # one row: the fused reduction
+    assert not cpu_dense.runs(randn(2, 64, seed=1).bfloat16(), w)
+    assert not cpu_dense.runs(randn(2, 64, seed=1), w.half())
+    assert not cpu_dense.runs(randn(2, 8, seed=1), w.t())
+
+
 def routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     logits = randn(tokens, experts, seed=seed)
     weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
