@@ -35,10 +35,14 @@ using tierserve::Vec;
 // One weight row of fp32.
 struct FloatRow {
   const float* w;
+  int64_t K;
   float row_scale;
 
   Vec load(int64_t k) const { return Vec::loadu(w + k); }
   float at(int64_t k) const { return w[k]; }
+  void prefetch(int64_t k, int64_t ahead) const {
+    if (k % 16 == 0) __builtin_prefetch(w + ahead * K + k);
+  }
 };
 
 // bf16 bits to the fp32 value they are the high half of.
@@ -52,7 +56,12 @@ inline float widen(uint16_t bits) {
 // One weight row of bf16, widened a vector at a time.
 struct BFloat16Row {
   const uint16_t* w;
+  int64_t K;
   float row_scale;
+
+  void prefetch(int64_t k, int64_t ahead) const {
+    if (k % 32 == 0) __builtin_prefetch(w + ahead * K + k);
+  }
 
   Vec load(int64_t k) const {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -78,7 +87,7 @@ struct DenseMatrix {
   const T* w;
   int64_t N, K;
 
-  Row row(int64_t g, int64_t n) const { return {w + (g * N + n) * K, 1.0f}; }
+  Row row(int64_t g, int64_t n) const { return {w + (g * N + n) * K, K, 1.0f}; }
 };
 
 using FloatMatrix = DenseMatrix<float, FloatRow, at::kFloat>;

@@ -12,6 +12,7 @@
 // layer, one per expert) whose `row(g, n)` is a reader of one weight row with
 //   Vec load(k): the weights k .. k + kLanes as fp32 (k a multiple of kLanes),
 //   float at(k): weight k, for the tail of a row that is not whole vectors,
+//   void prefetch(k, ahead): asks for the weights at k of the row `ahead` rows further,
 //   float row_scale: a factor of the row's sums (NVFP4's tensor scale, else 1),
 // and the products, the experts' grouping and their element-wise steps are written once.
 
@@ -84,6 +85,9 @@ inline void dot_tile(const float* x, int64_t ldx, const Row* rows, int64_t K, fl
     Reg xv[R];
     for (int64_t r = 0; r < R; ++r) xv[r] = Vec::loadu(x + r * ldx + k);
     for (int64_t j = 0; j < NR; ++j) {
+      // Four tiles ahead: rows of a few KB, read four at a time, are too short for the
+      // hardware to detect and prefetch as streams.
+      w[j].prefetch(k, 4 * NR);
       const Reg v = w[j].load(k);
       for (int64_t r = 0; r < R; ++r) acc[r][j] = fmadd(xv[r], v, acc[r][j]);
     }
