@@ -3,11 +3,11 @@
 A decode step of a small model on a CPU is bound by per-operation overhead: thousands of
 small ATen calls and the Python between them. `torch.compile` (inductor's C++ code) turns
 the forward into a few fused kernels, but only for fixed shapes. In fp32 the projections
-and the experts are C++ ops that read each weight once for all of a step's rows
-(`kernels/cpu_dense.py`), or where those cannot be built, reductions (`serving/model/linear.py`)
-and each token's experts read in place (`gathered_experts`): fused loops that stream row-major
-weights once per row; both beat BLAS's products of a few rows. Half-precision graphs use
-inductor's GEMM templates instead.
+and the experts of a step of several rows are C++ ops that read each weight once for all the
+rows (`kernels/cpu_dense.py`); a one-row step, or where those cannot be built, writes them as
+reductions (`serving/model/linear.py`) and each token's experts read in place
+(`gathered_experts`): fused loops that stream row-major weights once per row. Both beat
+BLAS's products of a few rows. Half-precision graphs use inductor's GEMM templates instead.
 So, as vLLM does with CUDA graphs, decode steps are padded to the next of a few batch
 sizes and each size has its own graph (`dynamic=False`). A step of several tokens per
 sequence (drafts to verify, a short prefill chunk) takes one row per token
