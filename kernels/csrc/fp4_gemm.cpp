@@ -153,7 +153,7 @@ struct Fp4Row {
   // Never called: rows are whole blocks, so whole vectors.
   float at(int64_t) const { return 0.0f; }
   // None: an FP4 row is an eighth of an fp32 row's bytes, and decoding it, not reading it,
-  // bounds the product (prefetching slowed one-row steps).
+  // bounds the product.
   void prefetch(int64_t, int64_t) const {}
 };
 
