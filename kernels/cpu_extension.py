@@ -1,5 +1,6 @@
 """Building the C++ CPU ops of `kernels/csrc/` with `torch.utils.cpp_extension`, shared by
-the paged decode attention (`cpu_attention.py`) and the FP4 products (`cpu_fp4.py`).
+the paged decode attention (`cpu_attention.py`), the FP4 products (`cpu_fp4.py`) and the
+dense ones (`cpu_dense.py`).
 
 An op is compiled on first use (ninja and the machine's C++ compiler, about 10 s) into
 torch's extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), then

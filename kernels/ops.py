@@ -5,7 +5,8 @@ tensors: Triton on CUDA, the PyTorch paths (`kernels/reference.py`, SDPA, BLAS) 
   `reference.fp4_linear` where that op cannot be built;
 - experts (FP4 or plain): `fused_moe` (Triton); FP4 experts on a CPU `fp4_experts` (the C++
   op, or the reference's per-step dequantization where it cannot be built); plain experts on
-  a CPU run as `serving/model/moe.py`'s grouped PyTorch experts;
+  a CPU run as `serving/model/moe.py`'s grouped PyTorch experts, and in a compiled decode
+  step as the C++ op of `kernels/cpu_dense.py` (chosen there, in `SparseMoE`);
 - decode attention over the paged KV cache: `paged_decode_attention`, Triton on CUDA and the
   C++ op of `kernels/cpu_attention.py` on a CPU, or SDPA on the gathered cache where that op
   cannot be built (no C++ compiler; a warning says so).

@@ -95,7 +95,8 @@ def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
     draft_c = _ms(lambda: draft.runner.forward(span(1))) / decode
     print(f"plain decode step {decode:.2f} ms; in decode steps:")
     print(f"  ngram: fixed {verify:.2f}, per draft 0")
-    print(f"  mtp:   fixed {verify + mtp(3) / decode:.2f}, per draft {mtp(1) / decode:.2f}")
+    if target.model.mtp:  # a target without MTP layers (the benchmark shape) has no MTP drafter
+        print(f"  mtp:   fixed {verify + mtp(3) / decode:.2f}, per draft {mtp(1) / decode:.2f}")
     print(f"  draft: fixed {verify:.2f}, per draft {draft_c:.2f}")
 
 

@@ -25,18 +25,11 @@
 // - elsewhere (ATen's DEFAULT capability): a scalar lookup into a 16-float table per vector.
 // Sums and fused multiply-adds are ATen's vector types, as in paged_attention.cpp.
 //
-// The experts: token slots are sorted by expert, each used expert's rows (its tokens) run as
-// one tile loop over its weight rows, and the output rows of all used experts are split over
-// torch's OpenMP threads (`at::parallel_for`), gate/up first, then down.
+// The tile loops, the experts' grouping by expert and the threads are row_products.h's,
+// shared with the dense ops (dense_gemm.cpp): here an FP4 row is one of its weight readers.
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -44,7 +37,8 @@
 #include <limits>
 #include <optional>
 #include <string>
-#include <vector>
+
+#include "row_products.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -52,11 +46,9 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = Vec::size();
+using tierserve::kLanes;
+using tierserve::Vec;
 static_assert(16 % kLanes == 0, "a block of 16 must hold whole vectors");
-// Activation rows that share one decoding of a weight vector.
-constexpr int64_t kMaxTile = 8;
 
 alignas(64) constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                          -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -145,119 +137,59 @@ struct Decoder {
 };
 #endif
 
-inline float lane_sum(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
-}
-
-// A weight row's codes and scale bytes, K its length (a whole number of blocks).
-struct WeightRow {
+// A weight row's codes and scale bytes (a whole number of blocks), read a vector at a time.
+template <int64_t kBlock>
+struct Fp4Row {
   const uint8_t* codes;
   const uint8_t* scales;
+  const float* scale_of;
   float row_scale;
+  Decoder dec;
+
+  Vec load(int64_t k) {
+    if (k % kBlock == 0) dec.set_scale(scale_of[scales[k / kBlock]]);
+    return dec(codes + k / 2);
+  }
+  // Never called: rows are whole blocks, so whole vectors.
+  float at(int64_t) const { return 0.0f; }
+  // None: an FP4 row is an eighth of an fp32 row's bytes, and decoding it, not reading it,
+  // bounds the product.
+  void prefetch(int64_t, int64_t) const {}
 };
 
-// y[r * ldy + j] = row_scale_j * x_r . w_j for R activation rows x_r = x + r * ldx and NR
-// weight rows w_j. Each decoded vector of w_j goes into every activation row, and each loaded
-// activation vector into every weight row; the R * NR sums are independent, so the fused
-// multiply-adds do not wait on one another, and a tile's setup and final lane sums are shared.
-template <int64_t R, int64_t NR, int64_t kBlock>
-inline void dot_tile(const float* x, int64_t ldx, const WeightRow* w, const Format& f, int64_t K,
-                     float* y, int64_t ldy) {
-  Vec acc[R][NR];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < NR; ++j) acc[r][j] = Vec(0.0f);
-  Decoder dec[NR];
-  for (int64_t k = 0; k < K; k += kLanes) {
-    if (k % kBlock == 0)
-      for (int64_t j = 0; j < NR; ++j) dec[j].set_scale(f.scale_of[w[j].scales[k / kBlock]]);
-    Vec xv[R];
-    for (int64_t r = 0; r < R; ++r) xv[r] = Vec::loadu(x + r * ldx + k);
-    for (int64_t j = 0; j < NR; ++j) {
-      const Vec v = dec[j](w[j].codes + k / 2);
-      for (int64_t r = 0; r < R; ++r) acc[r][j] = at::vec::fmadd(xv[r], v, acc[r][j]);
-    }
-  }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < NR; ++j) y[r * ldy + j] = lane_sum(acc[r][j]) * w[j].row_scale;
-}
-
-// Weight rows a work item takes at once: what the tiles of one or two activation rows use.
-constexpr int64_t kRowGroup = 4;
-
-// y[r * ldy + j] for `rows` rows of x (stride ldx) against n weight rows w_j (n <= kRowGroup):
-// one or two activation rows run against 4 or 2 weight rows at a time (their sums in
-// registers); more run in tiles of up to kMaxTile rows, one weight row at a time.
-template <int64_t kBlock>
-void dot_rows(const float* x, int64_t ldx, int64_t rows, const WeightRow* w, int64_t n,
-              const Format& f, int64_t K, float* y, int64_t ldy) {
-  if (rows <= 2) {
-    int64_t j = 0;
-    for (; rows == 1 && j + 4 <= n; j += 4) dot_tile<1, 4, kBlock>(x, ldx, w + j, f, K, y + j, ldy);
-    for (; rows == 2 && j + 2 <= n; j += 2) dot_tile<2, 2, kBlock>(x, ldx, w + j, f, K, y + j, ldy);
-    for (; j < n; ++j) {
-      if (rows == 1) dot_tile<1, 1, kBlock>(x, ldx, w + j, f, K, y + j, ldy);
-      else dot_tile<2, 1, kBlock>(x, ldx, w + j, f, K, y + j, ldy);
-    }
-    return;
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    int64_t r = 0;
-    for (; r + kMaxTile <= rows; r += kMaxTile)
-      dot_tile<kMaxTile, 1, kBlock>(x + r * ldx, ldx, w + j, f, K, y + r * ldy + j, ldy);
-    const float* xr = x + r * ldx;
-    float* yr = y + r * ldy + j;
-    switch (rows - r) {
-      case 1: dot_tile<1, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
-      case 2: dot_tile<2, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
-      case 3: dot_tile<3, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
-      case 4: dot_tile<4, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
-      case 5: dot_tile<5, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
-      case 6: dot_tile<6, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
-      case 7: dot_tile<7, 1, kBlock>(xr, ldx, w + j, f, K, yr, ldy); break;
-      default: break;
-    }
-  }
-}
-
 // An FP4 matrix [groups, N, K] (one group for a linear layer, one per expert for the experts).
-struct Matrix {
+template <int64_t kBlock>
+struct Fp4Matrix {
+  using Row = Fp4Row<kBlock>;
   const uint8_t* codes;
   const uint8_t* scales;
   const float* row_scale;  // [groups, N], or null (MXFP4)
   int64_t N, K;
   const Format* f;
 
-  WeightRow row(int64_t g, int64_t n) const {
+  Row row(int64_t g, int64_t n) const {
     const int64_t i = g * N + n;
-    return {codes + i * (K / 2), scales + i * (K / f->block), row_scale ? row_scale[i] : 1.0f};
+    Row r;
+    r.codes = codes + i * (K / 2);
+    r.scales = scales + i * (K / kBlock);
+    r.scale_of = f->scale_of.data();
+    r.row_scale = row_scale ? row_scale[i] : 1.0f;
+    return r;
   }
 };
 
-// A group's rows of activations: rows [begin, begin + count) of x against matrix group g.
-struct Segment {
-  int64_t group, begin, count;
+// An FP4 weight's arrays, checked (`matrix`), its block not yet a type.
+struct Matrix {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  const float* row_scale;
+  int64_t N, K;
+  const Format* f;
 };
 
-// out[s.begin + r, n] = x[s.begin + r] . W[s.group, n] for every segment, the segments' groups
-// of kRowGroup output rows split over the threads.
-void segmented_product(const float* x, const Matrix& m, const std::vector<Segment>& segments,
-                       float* out) {
-  const int64_t groups = (m.N + kRowGroup - 1) / kRowGroup;
-  const int64_t total = static_cast<int64_t>(segments.size()) * groups;
-  at::parallel_for(0, total, 4, [&](int64_t begin, int64_t end) {
-    WeightRow w[kRowGroup];
-    for (int64_t i = begin; i < end; ++i) {
-      const Segment& s = segments[i / groups];
-      const int64_t n0 = (i % groups) * kRowGroup, n = std::min(kRowGroup, m.N - n0);
-      for (int64_t j = 0; j < n; ++j) w[j] = m.row(s.group, n0 + j);
-      const float* xs = x + s.begin * m.K;
-      float* ys = out + s.begin * m.N + n0;
-      if (m.f->block == 32)
-        dot_rows<32>(xs, m.K, s.count, w, n, *m.f, m.K, ys, m.N);
-      else
-        dot_rows<16>(xs, m.K, s.count, w, n, *m.f, m.K, ys, m.N);
-    }
-  });
+template <int64_t kBlock>
+Fp4Matrix<kBlock> blocked(const Matrix& m) {
+  return {m.codes, m.scales, m.row_scale, m.N, m.K, m.f};
 }
 
 // Checks an FP4 weight's arrays against [groups, N, K] and returns it as a Matrix.
@@ -285,43 +217,13 @@ Matrix matrix(const Format& f, const at::Tensor& packed, const at::Tensor& scale
   return {packed.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), rs, N, K, &f};
 }
 
-void check_activations(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be contiguous float32 [rows, K]");
-  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
-}
-
 at::Tensor linear(const at::Tensor& x, const std::string& format, const at::Tensor& packed,
                   const at::Tensor& scales, const std::optional<at::Tensor>& row_scale) {
   const Format& f = format_of(format);
   TORCH_CHECK(packed.dim() == 2, "packed codes must be [N, K/2]");
   const Matrix m = matrix(f, packed, scales, row_scale, 1, "weight");
-  check_activations(x, m.K);
-  at::Tensor out = at::empty({x.size(0), m.N}, x.options());
-  if (x.size(0) > 0)
-    segmented_product(x.data_ptr<float>(), m, {{0, 0, x.size(0)}}, out.data_ptr<float>());
-  return out;
-}
-
-// The grain of the element-wise steps: rows that run on one thread. A decode step's 1-64 slots
-// then take no parallel region for them, only the products do.
-constexpr int64_t kRowGrain = 64;
-
-// silu(gate) * up of h [S, 2I] (gate columns first) into a [S, I], as torch's silu: g / (1 + e^-g).
-void silu_and_mul(const float* h, float* a, int64_t S, int64_t I) {
-  at::parallel_for(0, S, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      const float* g = h + s * 2 * I;
-      const float* u = g + I;
-      float* o = a + s * I;
-      int64_t i = 0;
-      for (; i + kLanes <= I; i += kLanes) {
-        const Vec gv = Vec::loadu(g + i);
-        (gv / (Vec(1.0f) + gv.neg().exp()) * Vec::loadu(u + i)).store(o + i);
-      }
-      for (; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-    }
-  });
+  if (f.block == 32) return tierserve::linear_product(x, blocked<32>(m));
+  return tierserve::linear_product(x, blocked<16>(m));
 }
 
 at::Tensor moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
@@ -335,69 +237,11 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Te
   const int64_t E = gate_up_packed.size(0);
   const Matrix gate_up = matrix(f, gate_up_packed, gate_up_scales, gate_up_row_scale, E, "gate_up");
   const Matrix down = matrix(f, down_packed, down_scales, down_row_scale, E, "down");
-  const int64_t H = gate_up.K, I = down.K;
-  TORCH_CHECK(down_packed.size(0) == E && gate_up.N == 2 * I && down.N == H, "gate_up [", E, ", ",
-              gate_up.N, ", ", H, "] and down [", down_packed.size(0), ", ", down.N, ", ", I,
-              "] are not the experts of one layer");
-  check_activations(x, H);
-  const int64_t T = x.size(0);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T && topk_ids.scalar_type() == at::kLong &&
-                  topk_ids.is_contiguous(),
-              "topk_ids must be contiguous int64 [T, k]");
-  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() &&
-                  topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous(),
-              "topk_weights must be contiguous float32 shaped like topk_ids");
-  const int64_t top_k = topk_ids.size(1), S = T * top_k;
-  const int64_t* ids = topk_ids.data_ptr<int64_t>();
-  // Slots sorted by expert (a counting sort, stable): sorted[p] is the slot at position p.
-  std::vector<int64_t> starts(E + 1, 0), sorted(S), position(S);
-  for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(ids[s] >= 0 && ids[s] < E, "expert ", ids[s], " is not in the layer's ", E);
-    ++starts[ids[s] + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) starts[e + 1] += starts[e];
-  std::vector<Segment> segments;
-  for (int64_t e = 0; e < E; ++e)
-    if (starts[e + 1] > starts[e]) segments.push_back({e, starts[e], starts[e + 1] - starts[e]});
-  {
-    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
-    for (int64_t s = 0; s < S; ++s) {
-      position[s] = next[ids[s]]++;
-      sorted[position[s]] = s;
-    }
-  }
-  const float* xp = x.data_ptr<float>();
-  std::vector<float> xs(S * H), h(S * 2 * I), a(S * I), y(S * H);
-  at::parallel_for(0, S, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      std::memcpy(&xs[p * H], xp + (sorted[p] / top_k) * H, H * sizeof(float));
-  });
-  segmented_product(xs.data(), gate_up, segments, h.data());
-  silu_and_mul(h.data(), a.data(), S, I);
-  segmented_product(a.data(), down, segments, y.data());
-  at::Tensor out = at::empty({T, H}, x.options());
-  float* o = out.data_ptr<float>();
-  const float* w = topk_weights.data_ptr<float>();
-  at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* ot = o + t * H;
-      for (int64_t j = 0; j < top_k; ++j) {
-        const int64_t s = t * top_k + j;
-        const float* ys = &y[position[s] * H];
-        const Vec wv(w[s]);
-        int64_t i = 0;
-        if (j == 0) {
-          for (; i + kLanes <= H; i += kLanes) (Vec::loadu(ys + i) * wv).store(ot + i);
-          for (; i < H; ++i) ot[i] = ys[i] * w[s];
-        } else {
-          for (; i + kLanes <= H; i += kLanes)
-            at::vec::fmadd(Vec::loadu(ys + i), wv, Vec::loadu(ot + i)).store(ot + i);
-          for (; i < H; ++i) ot[i] += ys[i] * w[s];
-        }
-      }
-    }
-  });
-  return out;
+  if (f.block == 32)
+    return tierserve::expert_product(x, topk_weights, topk_ids, blocked<32>(gate_up),
+                                     blocked<32>(down), E);
+  return tierserve::expert_product(x, topk_weights, topk_ids, blocked<16>(gate_up),
+                                   blocked<16>(down), E);
 }
 
 }  // namespace

@@ -308,8 +308,8 @@ def pack_for_inference(model: CausalLM, decoder_layers: bool = True) -> None:
     The embedding keeps its layout (its rows are gathered), and so does a head tied to it.
     An fp32 LM head on a CPU gets a copy in oneDNN's layout instead (`pack_onednn`).
     `decoder_layers=False` leaves the decoder layers as checkpoints lay them out, for compiled
-    decode steps, which read their projections as reductions (`serving/model/linear.py`) and
-    their experts in place (`gathered_experts`), both fastest on row-major weights.
+    decode steps, which read their projections and experts in place, row-major
+    (`serving/model/linear.py`, `kernels/cpu_dense.py`).
     """
     embed = model.embed_tokens.weight
     pack_onednn(model.lm_head)  # computed eagerly after every step, compiled or not

@@ -3,9 +3,11 @@
 A decode step of a small model on a CPU is bound by per-operation overhead: thousands of
 small ATen calls and the Python between them. `torch.compile` (inductor's C++ code) turns
 the forward into a few fused kernels, but only for fixed shapes. In fp32 the projections
-are written as reductions (`serving/model/linear.py`) and each token's experts are read in
-place (`gathered_experts`): fused loops that stream row-major weights faster than BLAS's
-products of a few rows; half-precision graphs use inductor's GEMM templates instead.
+and the experts of a step of several rows are C++ ops that read each weight once for all the
+rows (`kernels/cpu_dense.py`); a one-row step, or where those cannot be built, writes them as
+reductions (`serving/model/linear.py`) and each token's experts read in place
+(`gathered_experts`): fused loops that stream row-major weights once per row. Both beat
+BLAS's products of a few rows. Half-precision graphs use inductor's GEMM templates instead.
 So, as vLLM does with CUDA graphs, decode steps are padded to the next of a few batch
 sizes and each size has its own graph (`dynamic=False`). A step of several tokens per
 sequence (drafts to verify, a short prefill chunk) takes one row per token
@@ -48,7 +50,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import ops
+from kernels import cpu_dense, ops
 from serving.model.attention import AttentionMetadata, padded_tables
 from serving.model.causal_lm import CausalLM
 from serving.model.precompiled import graph_key, load_or_compile
@@ -208,6 +210,9 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         # Attention as the paged decode op inside the graph where it is built, else written out.
         self.paged_kernel = ops.has_paged_decode_attention(torch.device("cpu"))
+        # The dense projections' and experts' op, built (or loaded) before any graph calls it:
+        # a stored graph calls it without tracing the code that loads it.
+        self.dense_kernel = cpu_dense.available()
         padding = functools.partial(
             _Inputs.padding,
             max_blocks=max_blocks,
@@ -248,8 +253,9 @@ class DecodeGraphs:
         background (`_in_background`)."""
         start = time.monotonic()
         dtype = model.embed_tokens.weight.dtype
-        # Whole graphs on disk (`precompiled`): static shapes only, and no frozen weights.
-        store = self.paged_kernel and dtype == torch.float32
+        # Whole graphs on disk (`precompiled`): static shapes only, and no frozen weights; and
+        # only graphs of the C++ ops, which their key does not tell apart from the fallbacks.
+        store = self.paged_kernel and self.dense_kernel and dtype == torch.float32
         try:
             release_gil_in_kernels()
             self.forward = torch.compile(model, dynamic=False, fullgraph=True)

@@ -1,11 +1,13 @@
 """The model's projections: `nn.Linear`, except in a compiled fp32 decode step.
 
-There a projection of a few rows is written as a broadcast product summed over the input
-dimension, which inductor fuses into one C++ loop that streams the weight from where it lies
-(row-major, as checkpoints store it) and never calls a BLAS. On a CPU, MKL's fp32 products of
-1-32 rows read a cold weight far below memory speed, worst on AMD CPUs, and their cost grows
-with the rows where the fused reduction's barely does (`loadtests/bench_gemm.py` measures
-both). Half-precision graphs are frozen and use inductor's own GEMM templates instead
+There a projection of 2-32 rows is the C++ op of `kernels/cpu_dense.py`, which reads the
+weight (fp32, or bf16 held narrower) once for all the step's rows, where it lies (row-major,
+as checkpoints store it), so a verify step of a few rows costs little more in weight reads
+than a decode step of one. On a CPU, MKL's fp32 products of 1-32 rows read a cold weight far
+below memory speed, worst on AMD CPUs (`loadtests/bench_gemm.py`). One row, or where the op
+cannot be built (a warning says so), the projection is written as a broadcast product summed
+over the input dimension, which inductor fuses into one C++ loop that streams the weight
+once per row. Half-precision graphs are frozen and use inductor's own GEMM templates instead
 (`decode_graphs.inductor_config`).
 """
 
@@ -13,12 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Compiled decode steps of at most this many rows project by reduction (every graph size).
+from kernels import cpu_dense
+
+# Compiled decode steps of at most this many rows project by the op or reduction (every
+# graph size).
 REDUCTION_MAX_ROWS = 32
 
 
 def reduces(x: torch.Tensor) -> bool:
-    """Whether a projection of x, being traced for a decode graph, is written as a reduction."""
+    """Whether a projection of x, being traced for a decode graph, is the op or a reduction."""
     return (
         torch.compiler.is_compiling()
         and not torch.is_grad_enabled()
@@ -39,7 +44,9 @@ class Linear(nn.Linear):
         w = self.weight
         if not reduces(x):  # a weight held narrower than x (`load_checkpoint`) is widened per call
             return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), self.bias)
-        y = (x.unsqueeze(-2) * w).sum(-1)  # a narrower weight widens inside the fused loop
+        # The op reads the weight once for all rows; the fallback's fused loop, once a row
+        # (a narrower weight widens inside it).
+        y = cpu_dense.dense_linear(x, w) if cpu_dense.runs(x, w) else (x.unsqueeze(-2) * w).sum(-1)
         return y if self.bias is None else y + self.bias
 
 

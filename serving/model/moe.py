@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import ops
+from kernels import cpu_dense, ops
 from kernels.modules import QuantizedWeight
 from kernels.reference import silu_and_mul
 from serving.model.config import ModelConfig
@@ -104,16 +104,17 @@ def gathered_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
 ) -> torch.Tensor:
-    """`grouped_experts` written for a compiled decode step (at most 32 tokens).
+    """`grouped_experts` written for a compiled decode step (at most 32 tokens), where the C++
+    op that reads each used expert once a step (`kernels/cpu_dense.py`) does not run: a single
+    token (which reads its experts once either way), an op that was not built, weights neither
+    fp32 nor bf16, or a step that computes in half precision.
 
     Each token's expert weights are indexed and reduced against it in fp32, which inductor
     fuses into one loop that reads the indexed weights in place (no gathered copy), row-major
     as checkpoints store them, with no library call and no Python. Every token reads its own
-    experts, twice the bytes of one read per expert at 16 tokens, yet it beats the grouped
-    op's products at every graph size: on 8 layers of the benchmark model's experts (cold),
-    fp32, per layer at 1 / 2 / 4 / 8 / 16 / 32 tokens 178 / 294 / 514 / 780 / 1106 / 2033 us
-    against 302 / 947 / 1330 / 2106 / 2200 / 2803 us (2 vCPU Zen 3). In half precision it
-    also spares oneDNN's ~20 us a product (see `decode_graphs.inductor_config`)."""
+    experts, so a step's cost grows with its tokens, yet it beats the grouped op's products at
+    every graph size (`loadtests/bench_kernels.py`). In half precision it also spares
+    oneDNN's ~20 us a product (see `decode_graphs.inductor_config`)."""
     h = (x[:, None, None, :].float() * gate_up[experts].float()).sum(-1)  # [T, k, 2I]
     a = silu_and_mul(h.to(x.dtype))
     o = (a[:, :, None, :].float() * down[experts].float()).sum(-1).to(x.dtype)  # [T, k, H]
@@ -159,7 +160,10 @@ class SparseMoE(nn.Module):
         elif fp4:
             y = ops.fp4_experts(x, weights, experts, gate_up, down)
         elif torch.compiler.is_compiling() and not torch.is_grad_enabled():  # a decode graph
-            y = gathered_experts(x, weights, experts, gate_up, down)
+            if cpu_dense.runs(x, gate_up, down):
+                y = cpu_dense.dense_moe(x, weights, experts, gate_up, down)
+            else:
+                y = gathered_experts(x, weights, experts, gate_up, down)
         else:
             y = grouped_experts(x, weights, experts, gate_up, down)
         return y.view(shape)

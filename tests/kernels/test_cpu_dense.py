@@ -1,0 +1,169 @@
+"""The C++ dense ops (`kernels/cpu_dense.py`) against PyTorch's fp32 products, fp32 and bf16
+weights, at every CPU capability this machine has (each a build of its own, run in a process
+of its own).
+
+A bf16 weight is widened exactly, so the ops differ from the fp32 product of the widened
+weight only in the order of the sums: `assert_matches`'s tolerance of 1e-5 of the output's
+largest magnitude (and of each element), as the FP4 ops' tests.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_dense, cpu_extension
+from serving.model.moe import grouped_experts
+
+CAPABILITIES = ["DEFAULT", "AVX2", "AVX512"]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def built():
+    assert cpu_dense.available(), "the C++ dense ops must build wherever the tests run"
+    wanted = os.environ.get("ATEN_CPU_CAPABILITY")
+    if wanted:  # a run at a lowered capability really builds for it
+        assert cpu_extension.capability() == wanted.upper()
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(1, 8), (33, 64), (130, 96), (7, 70), (5, 3), (512, 256)])
+def test_linear_matches_the_product_for_1_to_32_rows(dtype, n, k):
+    """K = 70 and 3 are not whole vectors: the op reads the tail of each row apart."""
+    w = randn(n, k, seed=n + k, dtype=dtype)
+    rows = range(1, 33) if (n, k) == (33, 64) else [1, 2, 3, 5, 7, 8, 9, 16, 31, 32, 70]
+    for m in rows:
+        x = randn(m, k, seed=m)
+        assert_matches(cpu_dense.dense_linear(x, w), F.linear(x, w.float()))
+
+
+def test_linear_keeps_leading_dimensions():
+    w = randn(24, 64, seed=0, dtype=torch.bfloat16)
+    x = randn(2, 3, 64, seed=1)
+    assert_matches(cpu_dense.dense_linear(x, w), F.linear(x, w.float()))
+
+
+def test_the_ops_run_for_more_than_one_row_of_what_they_read():
+    w = randn(8, 64, seed=0)
+    assert cpu_dense.runs(randn(2, 64, seed=1), w, w.bfloat16())
+    assert not cpu_dense.runs(randn(1, 64, seed=1), w)  # one row: the fused reduction
+    assert not cpu_dense.runs(randn(2, 64, seed=1).bfloat16(), w)
+    assert not cpu_dense.runs(randn(2, 64, seed=1), w.half())
+    assert not cpu_dense.runs(randn(2, 8, seed=1), w.t())
+
+
+def routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = randn(tokens, experts, seed=seed)
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("experts", "hidden", "inter", "top_k"),
+    [(8, 64, 96, 2), (16, 256, 384, 2), (4, 32, 32, 1), (8, 64, 64, 4), (6, 36, 20, 2)],
+)
+def test_experts_match_the_grouped_experts(dtype, experts, hidden, inter, top_k):
+    """Token counts of a decode step (1-32) and of a prefill chunk; some experts unused."""
+    gate_up = randn(experts, 2 * inter, hidden, seed=1, dtype=dtype) * 0.2
+    down = randn(experts, hidden, inter, seed=2, dtype=dtype) * 0.2
+    for tokens in (1, 2, 3, 4, 5, 8, 16, 17, 31, 32, 100):
+        x = randn(tokens, hidden, seed=tokens)
+        weights, ids = routing(tokens, experts, top_k, seed=tokens)
+        got = cpu_dense.dense_moe(x, weights, ids, gate_up, down)
+        expected = grouped_experts(x, weights, ids, gate_up.float(), down.float())
+        assert_matches(got, expected)
+
+
+def test_experts_with_every_token_on_one_expert():
+    """One expert with all 40 slots (tiles of 8 and a remainder of 5), the others idle."""
+    gate_up, down = randn(4, 128, 64, seed=3), randn(4, 64, 64, seed=4)
+    x = randn(20, 64, seed=5)
+    ids = torch.tensor([[2, 1]] * 20)
+    weights = torch.rand(20, 2)
+    got = cpu_dense.dense_moe(x, weights, ids, gate_up, down)
+    assert_matches(got, grouped_experts(x, weights, ids, gate_up, down))
+
+
+def test_the_ops_refuse_what_they_cannot_read():
+    gate_up, down = randn(4, 64, 32, seed=6), randn(4, 32, 32, seed=7)
+    x = randn(3, 32, seed=8)
+    weights, ids = routing(3, 4, 2, seed=0)
+    moe = torch.ops.tierserve_dense.moe
+    with pytest.raises(RuntimeError, match="expert 4 is not in the layer's 4"):
+        moe(x, weights, torch.full_like(ids, 4), gate_up, down)
+    with pytest.raises(RuntimeError, match="not the experts of one layer"):
+        moe(x, weights, ids, gate_up, gate_up)
+    with pytest.raises(RuntimeError, match="x has 48 columns"):
+        moe(randn(3, 48, seed=9), weights, ids, gate_up, down)
+    with pytest.raises(RuntimeError, match="down must be BFloat16"):
+        moe(x, weights, ids, gate_up.bfloat16(), down)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.tierserve_dense.linear(x, down.half()[0])
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.tierserve_dense.linear(x, down[0].t())
+
+
+def test_threads_split_the_rows_without_changing_a_bit():
+    gate_up, down = randn(16, 768, 256, seed=9), randn(16, 256, 384, seed=10)
+    x = randn(32, 256, seed=11)
+    weights, ids = routing(32, 16, 2, seed=1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_dense.dense_moe(x, weights, ids, gate_up, down)
+        torch.set_num_threads(2)
+        two = cpu_dense.dense_moe(x, weights, ids, gate_up, down)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_a_compiled_graph_calls_the_ops():
+    """The fake kernels let `torch.compile(fullgraph=True)` put the ops in a graph."""
+    gate_up = randn(8, 128, 64, seed=11, dtype=torch.bfloat16)
+    down = randn(8, 64, 64, seed=12, dtype=torch.bfloat16)
+    proj = randn(48, 64, seed=13)
+
+    def step(x, weights, ids):
+        return cpu_dense.dense_linear(cpu_dense.dense_moe(x, weights, ids, gate_up, down), proj)
+
+    x = randn(5, 64, seed=14)
+    weights, ids = routing(5, 8, 2, seed=2)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    assert_matches(compiled(x, weights, ids), step(x, weights, ids))
+
+
+def _capabilities_here() -> list[str]:
+    native = cpu_extension.capability()
+    return CAPABILITIES[: CAPABILITIES.index(native) + 1]
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_every_capability_of_this_cpu_builds_and_matches(capability):
+    """This file's other tests in a process whose ATen capability is lowered to `capability`
+    (each builds its own library). A capability this CPU lacks cannot run here: skipped."""
+    if capability not in _capabilities_here() or os.environ.get("ATEN_CPU_CAPABILITY"):
+        pytest.skip(f"{capability} is not below this process's {cpu_extension.capability()}")
+    env = os.environ | {"ATEN_CPU_CAPABILITY": capability.lower()}
+    test_file = Path(__file__)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider"]
+    cmd += [str(test_file), "-k", "not every_capability"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=test_file.parents[2])
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
