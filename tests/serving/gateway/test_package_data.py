@@ -30,7 +30,7 @@ root = LOCUSTFILE.parents[1]
 print(json.dumps({
     "serving": serving.__file__,
     "locustfile": str(LOCUSTFILE),
-    "csrc": sorted(str(p) for p in cpu_extension.CSRC.glob("*.cpp")),
+    "csrc": sorted(str(p) for p in cpu_extension.CSRC.iterdir()),
     "users": listed,
     "files": [str(p.relative_to(root)) for p in root.rglob("*") if p.suffix in (".json", ".jinja")],
 }))
@@ -66,6 +66,12 @@ def test_an_installed_wheel_load_tests_with_its_own_locustfile(tmp_path: Path) -
     assert "TierserveUser" in found["users"]
     assert "gateway/dashboards/gateway.json" in set(found["files"])
     assert "model/chat_template.jinja" in found["files"]
-    # The C++ ops' sources, which the installed package builds on first use.
-    assert [Path(p).name for p in found["csrc"]] == ["fp4_gemm.cpp", "paged_attention.cpp"]
+    # The C++ ops' sources and the header they share, which the installed package builds on
+    # first use.
+    assert [Path(p).name for p in found["csrc"]] == [
+        "dense_gemm.cpp",
+        "fp4_gemm.cpp",
+        "paged_attention.cpp",
+        "row_products.h",
+    ]
     assert all(Path(p).is_relative_to(target) for p in found["csrc"])
