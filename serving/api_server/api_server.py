@@ -78,12 +78,9 @@ def warming_response(progress: Progress) -> JSONResponse:
         code="warming_up",
         headers={"Retry-After": "1"},
     )
-    body = error.body.model_dump() | {"status": "warming_up", "warmup": warmup_body(progress)}
+    progress_body = {"graphs_compiled": progress.compiled, "graphs_wanted": progress.wanted}
+    body = error.body.model_dump() | {"status": "warming_up", "warmup": progress_body}
     return JSONResponse(body, 503, headers=error.headers)
-
-
-def warmup_body(progress: Progress) -> dict[str, int]:
-    return {"graphs_compiled": progress.compiled, "graphs_wanted": progress.wanted}
 
 
 def build_app(
@@ -111,19 +108,14 @@ def build_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """vLLM's semantics: 200 once the engine serves a stream at full speed, its
-        one-stream decode step compiled. Before that it answers (eagerly, slower), but
-        /health says 503 with how far the warm-up is, so a gateway or a load balancer sends
-        it traffic only once it is fast. The other batch sizes compile after, in the
-        background at the lowest CPU priority; until each is compiled, larger batches run
-        in chunks of the compiled sizes, and the 200's body says how far that is."""
+        """vLLM's semantics: 200 once the engine serves at full speed. While its decode steps
+        still compile it answers (eagerly, slower), but /health says 503 with how far the
+        warm-up is, so a gateway or a load balancer sends it traffic only once it is fast."""
         if not engine.healthy:
             raise APIError(503, "The engine is not running.", type="server_error")
         progress = engine.engine.warmup()
-        if not progress.ready:
-            return warming_response(progress)
         if not progress.done:
-            return JSONResponse({"status": "ok", "warmup": warmup_body(progress)})
+            return warming_response(progress)
         return JSONResponse({"status": "ok"})
 
     @app.post("/tokenize")

@@ -172,7 +172,7 @@ class LLMEngine:
         done, steps of some batch sizes run eagerly, several times slower. An engine without
         them (`enforce_eager`, or CUDA graphs, captured while it is built) is warm at once."""
         graphs = self.runner.graphs
-        return graphs.progress() if graphs is not None else Progress(0, 0, ready=True, done=True)
+        return graphs.progress() if graphs is not None else Progress(0, 0, done=True)
 
     # -- requests -------------------------------------------------------------------------
 

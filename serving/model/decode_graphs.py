@@ -23,12 +23,15 @@ FP4 experts and linears on a CPU are C++ ops too (`tierserve_fp4::moe`, `tierser
 `kernels/cpu_fp4.py`) that the graphs call, decoding the packed weights inside their products.
 
 Graphs are compiled when the engine starts, in a background thread, smallest size first;
-until the one-stream graph is compiled steps run eagerly, and the engine reports itself
-warming (`progress`): the tier server's /health answers 503 with the progress, as vLLM's
-server is not healthy before its graphs are captured, so a gateway routes only to tiers
-that decode a stream at full speed. The larger sizes then compile at the lowest CPU
-priority (`_in_background`), and meanwhile a larger step runs in chunks of the largest size
-compiled so far, several times faster than eagerly.
+until a size is ready its steps run eagerly, and the engine reports itself warming
+(`progress`): the tier server's /health answers 503 with the progress until every size is
+compiled, as vLLM's server is not healthy before its graphs are captured, so a gateway
+routes only to tiers at full speed. Work left to compile after that would not be free: its
+tracing and code generation are Python, which takes turns with the engine's thread for the
+GIL and slowed a tier's steps several times over while it ran. So the sizes stop at 8, and
+a step of more rows (up to `MAX_CHUNKED_ROWS`) runs in chunks of the largest size, at
+nearly the cost of a graph of its own, since a chunk of 8 rows already reads its weights
+once for all of them.
 Compiling in the background rather than before the server listens lets it answer /health
 with that progress meanwhile. Inductor's caches live on disk (`compile_cache_dir`), and so do
 the fp32 graphs whole (`precompiled.py`), so a restart loads them rather than tracing them
@@ -40,7 +43,6 @@ import contextlib
 import functools
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -57,11 +59,10 @@ from serving.model.precompiled import graph_key, load_or_compile
 
 logger = logging.getLogger(__name__)
 
-# How long the engine's thread may wait for the GIL while graphs compile in the background.
-_BACKGROUND_SWITCH_INTERVAL_S = 0.0002
-
-# vLLM's capture sizes, up to 32 sequences.
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+# vLLM's smaller capture sizes: each one is seconds of a cold start.
+GRAPH_BATCH_SIZES = (1, 2, 4, 8)
+# Steps of up to this many rows run in the graphs, in chunks of the largest size.
+MAX_CHUNKED_ROWS = 32
 
 
 def compile_cache_dir() -> Path:
@@ -133,35 +134,12 @@ def release_gil_in_kernels() -> None:
     bindings.call_entry_function = "call_without_gil(kernel, {}); Py_RETURN_NONE;"
 
 
-def _in_background() -> contextlib.AbstractContextManager:
-    """Lower the calling thread to the lowest CPU priority (nice 19) for good, and compile
-    the C++ kernels from it, not from inductor's pool, whose threads keep the priority they
-    were started with: the compilers it runs inherit the thread's priority. So the graphs
-    still compiling once a tier serves take only the CPU its requests leave.
-
-    The GIL is the other shared resource: tracing, code generation and loading a stored
-    graph are long stretches of Python, and the thread that steps the engine takes the GIL
-    back after every kernel (they release it). A waiting thread asks the holder to let go
-    only after the switch interval (5 ms by default, longer than a whole decode step), so
-    it is shortened while the background work runs."""
-    from torch._inductor import config
-
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    stack = contextlib.ExitStack()
-    stack.callback(sys.setswitchinterval, sys.getswitchinterval())
-    sys.setswitchinterval(_BACKGROUND_SWITCH_INTERVAL_S)
-    stack.enter_context(config.patch(compile_threads=1))
-    return stack
-
-
 class Progress(NamedTuple):
-    """How far the warm-up is: graphs compiled of those wanted; `ready` once a stream decodes
-    at full speed (`DecodeGraphs.serving`); `done` once the compile thread has ended (every
-    graph compiled, or a failure that leaves the rest eager)."""
+    """How far the warm-up is: graphs compiled of those wanted; `done` once the compile
+    thread has ended (every graph compiled, or a failure that leaves the rest eager)."""
 
     compiled: int
     wanted: int
-    ready: bool
     done: bool
 
 
@@ -224,7 +202,6 @@ class DecodeGraphs:
         self.forward: Callable[..., torch.Tensor] | None = None  # set by the thread
         self._stored: dict[int, Callable[..., torch.Tensor]] = {}  # by size (`precompiled`)
         self.ready_sizes: tuple[int, ...] = ()  # compiled, ascending; replaced whole
-        self.serving = False  # a stream decodes at full speed (`_compile`)
         self.done = False  # the compile thread has ended
         # Made here, not in the thread's inference mode: guards tell inference tensors apart.
         inputs = [padding(size) for size in sizes]
@@ -238,19 +215,14 @@ class DecodeGraphs:
         self._capture.join()
 
     def progress(self) -> Progress:
-        return Progress(len(self.ready_sizes), len(self.sizes), self.serving, self.done)
+        return Progress(len(self.ready_sizes), len(self.sizes), self.done)
 
     @torch.inference_mode()
     def _compile(self, model: CausalLM, inputs: list[_Inputs]) -> None:
         """Each size on inputs of its own (padding rows: they touch only the scratch block),
         so the engine may use the buffers meanwhile. A failure leaves the rest eager. Even
         `torch.compile` is called here: its first call imports dynamo, which would otherwise
-        hold the server's start.
-
-        Graphs stored on disk load first (a fraction of a second each once inductor is
-        imported), then the others compile, smallest first. The engine serves a stream at
-        full speed once the one-stream graph is ready; the rest then load or compile in the
-        background (`_in_background`)."""
+        hold the server's start."""
         start = time.monotonic()
         dtype = model.embed_tokens.weight.dtype
         # Whole graphs on disk (`precompiled`): static shapes only, and no frozen weights; and
@@ -262,27 +234,14 @@ class DecodeGraphs:
             # One cache entry per size and model (a process may hold several engines);
             # dynamo's config is per thread.
             torch._dynamo.config.recompile_limit = 64
-            paths = {len(p.ids): self._graph_path(model, p) for p in inputs} if store else {}
-            on_disk = {size for size, path in paths.items() if path.exists()}
-            with inductor_config(dtype), contextlib.ExitStack() as stack:
-                for padding in sorted(inputs, key=lambda p: len(p.ids) not in on_disk):
-                    size = len(padding.ids)
+            with inductor_config(dtype):
+                for padding in inputs:
                     if store:
                         example = self._arguments(padding, padding.block_tables)
-                        self._stored[size] = load_or_compile(model, example, paths[size])
+                        path = compile_cache_dir().parent / "graphs" / graph_key(model, example)
+                        self._stored[len(padding.ids)] = load_or_compile(model, example, path)
                     self._call(padding)
-                    self.ready_sizes = tuple(sorted((*self.ready_sizes, size)))
-                    if not self.serving and self.ready_sizes[0] == self.sizes[0]:
-                        self.serving = True
-                        logger.info(
-                            "decode steps at full speed for one stream in %.1f s (%d of %d "
-                            "batch sizes compiled; the others compile in the background, "
-                            "at the lowest CPU priority)",
-                            time.monotonic() - start,
-                            len(self.ready_sizes),
-                            len(self.sizes),
-                        )
-                        stack.enter_context(_in_background())
+                    self.ready_sizes += (len(padding.ids),)
         except Exception:
             logger.exception("compiling decode steps failed; they run eagerly")
             return
@@ -296,16 +255,13 @@ class DecodeGraphs:
             ", whole graphs in graphs/" if store else "",
         )
 
-    def _graph_path(self, model: CausalLM, padding: _Inputs) -> Path:
-        example = self._arguments(padding, padding.block_tables)
-        return compile_cache_dir().parent / "graphs" / graph_key(model, example)
-
     def fits(self, num_rows: int, max_table_len: int) -> bool:
         """Whether a decode step of `num_rows` rows can run in compiled graphs now: in one,
-        or, while the larger sizes still compile, in chunks of the largest compiled one."""
+        or in chunks of the largest compiled one (beyond the largest size, or while the
+        larger sizes still compile)."""
         return (
             bool(self.ready_sizes)
-            and num_rows <= self.sizes[-1]
+            and num_rows <= max(MAX_CHUNKED_ROWS, self.sizes[-1])
             and max_table_len <= self.buffers.block_tables.shape[1]
         )
 

@@ -3,7 +3,7 @@ instead of tracing it again.
 
 Inductor's caches (the FX graph and AOT autograd caches, in `compile_cache_dir`) spare a
 restart the code generation and the C++ compiler, but not dynamo's trace of the forward, once
-per graph and six graphs a tier: most of a warm start (`loadtests/bench_startup.py`). PyTorch's
+per graph and four graphs a tier: most of a warm start (`loadtests/bench_startup.py`). PyTorch's
 AOT precompile (`torch._dynamo.config.enable_aot_compile`, `aot_compile`, then
 `save_compiled_function` and `torch.compiler.load_compiled_function`; experimental in 2.13)
 serializes a traced graph with its guards and its compiled code, and the module is passed at
