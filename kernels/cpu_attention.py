@@ -10,14 +10,9 @@ attention itself (`python loadtests/bench_rollouts.py` measures the rollouts).
 The op is built on first use by `kernels/cpu_extension.py`, for the machine's instruction set.
 """
 
-import functools
-import threading
-
 import torch
 
 from kernels import cpu_extension
-
-_lock = threading.Lock()
 
 
 def _register_fake() -> None:
@@ -27,21 +22,15 @@ def _register_fake() -> None:
     )
 
 
-@functools.cache
-def _load() -> bool:
-    return cpu_extension.load(
-        "tierserve_cpu_ops",
-        "paged_attention.cpp",
-        _register_fake,
-        "decode attention runs as SDPA over gathered blocks instead, slower",
-    )
-
-
-def available() -> bool:
-    """Builds or loads the op once a process; False, with one warning, where it cannot be
-    built (then `serving/model/attention.py` gathers the blocks for SDPA)."""
-    with _lock:
-        return _load()
+LIBRARY = cpu_extension.Library(
+    "tierserve_cpu_ops",
+    "paged_attention.cpp",
+    _register_fake,
+    "decode attention runs as SDPA over gathered blocks instead, slower",
+)
+# Builds or loads the op once a process; False, with one warning, where it cannot be built
+# (then `serving/model/attention.py` gathers the blocks for SDPA).
+available = cpu_extension.built_once(LIBRARY)
 
 
 def paged_decode_attention(

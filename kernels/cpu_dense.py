@@ -14,14 +14,9 @@ bf16, `load_checkpoint`), widened exactly in registers. The ops are built on fir
 (`kernels/cpu_extension.py`) and registered with fake kernels, so compiled graphs call them;
 """
 
-import threading
-
 import torch
 
 from kernels import cpu_extension
-
-_lock = threading.Lock()
-_built: bool | None = None  # a plain global, so a compiled graph reads it as a constant
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -33,26 +28,16 @@ def _register_fakes() -> None:
     torch.library.register_fake("tierserve_dense::moe")(lambda x, *args: torch.empty_like(x))
 
 
-def _load() -> bool:
-    return cpu_extension.load(
-        "tierserve_cpu_dense",
-        "dense_gemm.cpp",
-        _register_fakes,
-        "compiled decode steps project by inductor's fused reductions and read each token's "
-        "experts in place instead, reading every weight once per row",
-    )
-
-
-@torch.compiler.assume_constant_result  # a graph being traced builds them first, once
-def available() -> bool:
-    """Builds or loads the ops once a process; False, with one warning, where they cannot be
-    built."""
-    global _built
-    if _built is None:
-        with _lock:
-            if _built is None:
-                _built = _load()
-    return _built
+LIBRARY = cpu_extension.Library(
+    "tierserve_cpu_dense",
+    "dense_gemm.cpp",
+    _register_fakes,
+    "compiled decode steps project by inductor's fused reductions and read each token's "
+    "experts in place instead, reading every weight once per row",
+)
+# Builds or loads the ops once a process; False, with one warning, where they cannot be
+# built. A graph being traced calls it for its value, building them first.
+available = torch.compiler.assume_constant_result(cpu_extension.built_once(LIBRARY))
 
 
 def runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:

@@ -15,8 +15,10 @@ one extension cache under one name rebuilt each other's library at every tier st
 
 import hashlib
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -73,3 +75,30 @@ def load(name: str, source: str, register_fakes: Callable[[], None], instead: st
         return False
     register_fakes()
     return True
+
+
+class Library(NamedTuple):
+    """A library of C++ ops: `load`'s arguments."""
+
+    name: str
+    source: str
+    register_fakes: Callable[[], None]
+    instead: str
+
+
+def built_once(library: Library) -> Callable[[], bool]:
+    """The `available()` of a library: `load`s it on the first call, once a process (threads
+    racing to it wait for the first), then answers from a plain variable, which a graph being
+    traced reads as a constant (the lock is taken only before the first build)."""
+    lock = threading.Lock()
+    built: bool | None = None
+
+    def available() -> bool:
+        nonlocal built
+        if built is None:
+            with lock:
+                if built is None:
+                    built = load(*library)
+        return built
+
+    return available

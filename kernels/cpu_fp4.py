@@ -11,15 +11,10 @@ decoded weights are the dequantized weights exactly, so results match
 call them.
 """
 
-import threading
-
 import torch
 
 from kernels import cpu_extension
 from kernels.formats import FP4Tensor
-
-_lock = threading.Lock()
-_built: bool | None = None  # a plain global, so a compiled graph reads it as a constant
 
 
 def _register_fakes() -> None:
@@ -29,25 +24,15 @@ def _register_fakes() -> None:
     torch.library.register_fake("tierserve_fp4::moe")(lambda x, *args: torch.empty_like(x))
 
 
-def _load() -> bool:
-    return cpu_extension.load(
-        "tierserve_cpu_fp4",
-        "fp4_gemm.cpp",
-        _register_fakes,
-        "FP4 checkpoints are dequantized at load on this CPU instead (the memory of a bf16 "
-        "or fp32 checkpoint)",
-    )
-
-
-def available() -> bool:
-    """Builds or loads the ops once a process; False, with one warning, where they cannot be
-    built."""
-    global _built
-    if _built is None:
-        with _lock:
-            if _built is None:
-                _built = _load()
-    return _built
+LIBRARY = cpu_extension.Library(
+    "tierserve_cpu_fp4",
+    "fp4_gemm.cpp",
+    _register_fakes,
+    "FP4 checkpoints are dequantized at load on this CPU instead (the memory of a bf16 "
+    "or fp32 checkpoint)",
+)
+# Builds or loads the ops once a process; False, with one warning, where they cannot be built.
+available = cpu_extension.built_once(LIBRARY)
 
 
 def _padded(x: torch.Tensor, w: FP4Tensor) -> torch.Tensor:

@@ -7,34 +7,28 @@ weight only in the order of the sums: `assert_matches`'s tolerance of 1e-5 of th
 largest magnitude (and of each element), as the FP4 ops' tests.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_dense, cpu_extension
+from kernels import cpu_dense
 from serving.model.moe import grouped_experts
+from tests.kernels.cpu_ops import (
+    CAPABILITIES,
+    assert_built,
+    assert_matches,
+    routing,
+    run_at_capability,
+)
 
-CAPABILITIES = ["DEFAULT", "AVX2", "AVX512"]
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
-    assert got.shape == expected.shape and got.dtype == expected.dtype
-    scale = float(expected.abs().max())
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def built():
-    assert cpu_dense.available(), "the C++ dense ops must build wherever the tests run"
-    wanted = os.environ.get("ATEN_CPU_CAPABILITY")
-    if wanted:  # a run at a lowered capability really builds for it
-        assert cpu_extension.capability() == wanted.upper()
+    assert_built(cpu_dense.available, "dense")
 
 
 def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -65,12 +59,6 @@ def test_the_ops_run_for_more_than_one_row_of_what_they_read():
     assert not cpu_dense.runs(randn(2, 64, seed=1).bfloat16(), w)
     assert not cpu_dense.runs(randn(2, 64, seed=1), w.half())
     assert not cpu_dense.runs(randn(2, 8, seed=1), w.t())
-
-
-def routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = randn(tokens, experts, seed=seed)
-    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
-    return weights / weights.sum(-1, keepdim=True), ids
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -149,21 +137,6 @@ def test_a_compiled_graph_calls_the_ops():
     assert_matches(compiled(x, weights, ids), step(x, weights, ids))
 
 
-def _capabilities_here() -> list[str]:
-    native = cpu_extension.capability()
-    return CAPABILITIES[: CAPABILITIES.index(native) + 1]
-
-
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_every_capability_of_this_cpu_builds_and_matches(capability):
-    """This file's other tests in a process whose ATen capability is lowered to `capability`
-    (each builds its own library). A capability this CPU lacks cannot run here: skipped."""
-    if capability not in _capabilities_here() or os.environ.get("ATEN_CPU_CAPABILITY"):
-        pytest.skip(f"{capability} is not below this process's {cpu_extension.capability()}")
-    env = os.environ | {"ATEN_CPU_CAPABILITY": capability.lower()}
-    test_file = Path(__file__)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider"]
-    cmd += [str(test_file), "-k", "not every_capability"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=test_file.parents[2])
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    run_at_capability(Path(__file__), capability)

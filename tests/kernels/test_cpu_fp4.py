@@ -8,34 +8,28 @@ partial sums, which are at the scale of the largest outputs, hence `assert_match
 tolerance of 1e-5 of the output's largest magnitude (and of each element).
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from kernels import cpu_extension, cpu_fp4, reference
+from kernels import cpu_fp4, reference
 from kernels.formats import FP4Tensor, quantize_mxfp4, quantize_nvfp4
+from tests.kernels.cpu_ops import (
+    CAPABILITIES,
+    assert_built,
+    assert_matches,
+    routing,
+    run_at_capability,
+)
 
 QUANTIZE = {"mxfp4": quantize_mxfp4, "nvfp4": quantize_nvfp4}
 # Capabilities ordered by what they need; a CPU runs its own and every one below it.
-CAPABILITIES = ["DEFAULT", "AVX2", "AVX512"]
-
-
-def assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
-    assert got.shape == expected.shape and got.dtype == expected.dtype
-    scale = float(expected.abs().max())
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def built():
-    assert cpu_fp4.available(), "the C++ FP4 ops must build wherever the tests run"
-    wanted = os.environ.get("ATEN_CPU_CAPABILITY")
-    if wanted:  # a run at a lowered capability really builds for it
-        assert cpu_extension.capability() == wanted.upper()
+    assert_built(cpu_fp4.available, "FP4")
 
 
 def fp4(fmt: str, shape: tuple[int, ...], seed: int, per_row: bool = False) -> FP4Tensor:
@@ -67,12 +61,6 @@ def test_linear_keeps_leading_dimensions_and_the_activations_dtype():
     expected = reference.fp4_linear(x.bfloat16().float(), w).bfloat16()
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, expected, rtol=2**-8, atol=1e-5)
-
-
-def routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(seed))
-    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
-    return weights / weights.sum(-1, keepdim=True), ids
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -172,21 +160,6 @@ def test_a_compiled_graph_calls_the_ops():
     assert_matches(compiled(x, weights, ids), step(x, weights, ids))
 
 
-def _capabilities_here() -> list[str]:
-    native = cpu_extension.capability()
-    return CAPABILITIES[: CAPABILITIES.index(native) + 1]
-
-
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_every_capability_of_this_cpu_builds_and_matches(capability):
-    """This file's other tests in a process whose ATen capability is lowered to `capability`
-    (each builds its own library). A capability this CPU lacks cannot run here: skipped."""
-    if capability not in _capabilities_here() or os.environ.get("ATEN_CPU_CAPABILITY"):
-        pytest.skip(f"{capability} is not below this process's {cpu_extension.capability()}")
-    env = os.environ | {"ATEN_CPU_CAPABILITY": capability.lower()}
-    test_file = Path(__file__)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider"]
-    cmd += [str(test_file), "-k", "not every_capability"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=test_file.parents[2])
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    run_at_capability(Path(__file__), capability)

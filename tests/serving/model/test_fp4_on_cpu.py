@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels import cpu_fp4
+from kernels import cpu_extension, cpu_fp4
 from kernels.modules import FP4Linear, QuantizedWeight
 from serving.cli import main
 from serving.engine.llm_engine import EngineConfig, LLMEngine
@@ -188,7 +188,7 @@ def test_where_the_ops_cannot_be_built_one_warning_says_fp4_is_dequantized(
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Error building extension: c++: not found")
 
-    monkeypatch.setattr(cpu_fp4, "_built", None)
+    monkeypatch.setattr(cpu_fp4, "available", cpu_extension.built_once(cpu_fp4.LIBRARY))
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     model = load_checkpoint(quantized["mxfp4"])
     assert not any(isinstance(m, (FP4Linear, QuantizedWeight)) for m in model.modules())

@@ -1,0 +1,51 @@
+"""What the tests of the C++ CPU ops share: how they compare results, route tokens, check a
+build, and run their own file again at each capability this CPU has."""
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_extension
+
+CAPABILITIES = ["DEFAULT", "AVX2", "AVX512"]
+
+
+def assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+def routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(seed))
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def assert_built(available: Callable[[], bool], ops: str) -> None:
+    """The ops build wherever the tests run, and a run at a lowered capability really builds
+    for it."""
+    assert available(), f"the C++ {ops} ops must build wherever the tests run"
+    wanted = os.environ.get("ATEN_CPU_CAPABILITY")
+    if wanted:
+        assert cpu_extension.capability() == wanted.upper()
+
+
+def run_at_capability(test_file: Path, capability: str) -> None:
+    """The file's other tests in a process whose ATen capability is lowered to `capability`
+    (each builds its own library). A capability this CPU lacks cannot run here: skipped."""
+    native = cpu_extension.capability()
+    here = CAPABILITIES[: CAPABILITIES.index(native) + 1]
+    if capability not in here or os.environ.get("ATEN_CPU_CAPABILITY"):
+        pytest.skip(f"{capability} is not below this process's {native}")
+    env = os.environ | {"ATEN_CPU_CAPABILITY": capability.lower()}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider"]
+    cmd += [str(test_file), "-k", "not every_capability"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=test_file.parents[2])
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
