@@ -11,7 +11,7 @@ token for token against the plain run. Methods alternate within each round, and 
 median over rounds is reported, so slow periods of a noisy machine hit all alike.
 
     python loadtests/bench_speculative.py [--concurrency 1 4 16] [--new-tokens 128] [--k 4]
-        [--enforce-eager] [--target DIR] [--mtp-head DIR]
+        [--enforce-eager] [--target DIR] [--mtp-head DIR] [--drafters ngram mtp draft]
 """
 
 import argparse
@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model.config import ModelConfig
 from serving.model.paged import TokenSpan
 from serving.model.tokenizer import Tokenizer
 from serving.sampling.params import SamplingParams
@@ -78,11 +79,10 @@ def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
         return [TokenSpan(list(range(32)), 300, list(range(10, 10 + n)))]
 
     def mtp(n: int) -> float:
-        model = target.model
-        ids, positions, meta = target.runner.prepare(span(n))
-        hidden = model.embed_tokens(ids)
-        rope = model.rotary(positions, hidden.dtype)
-        return _ms(lambda: model.mtp[0](hidden, model.embed_tokens(ids), rope, meta, None))
+        """The drafter's step over n positions as it runs (compiled unless eager)."""
+        proposer = target.speculator.proposer
+        hidden = torch.zeros(n, target.model.config.hidden_size, dtype=target.runner.dtype)
+        return _ms(lambda: proposer.draft_rows(span(n), hidden))
 
     decode = _ms(lambda: target.runner.forward(span(1)))
     verify = _ms(lambda: target.runner.forward(span(k + 1))) / decode - 1
@@ -95,7 +95,7 @@ def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
     draft_c = _ms(lambda: draft.runner.forward(span(1))) / decode
     print(f"plain decode step {decode:.2f} ms; in decode steps:")
     print(f"  ngram: fixed {verify:.2f}, per draft 0")
-    if target.model.mtp:  # a target without MTP layers (the benchmark shape) has no MTP drafter
+    if target.speculator:  # a target without MTP layers (the benchmark shape) has no MTP drafter
         print(f"  mtp:   fixed {verify + mtp(3) / decode:.2f}, per draft {mtp(1) / decode:.2f}")
     print(f"  draft: fixed {verify:.2f}, per draft {draft_c:.2f}")
 
@@ -112,6 +112,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--costs", action="store_true", help="measure the cost model only")
     parser.add_argument(
+        "--drafters",
+        nargs="+",
+        choices=["ngram", "mtp", "draft"],
+        default=["ngram", "mtp", "draft"],
+    )
+    parser.add_argument(
         "--enforce-eager", action="store_true", help="no compiled steps (the server compiles)"
     )
     parser.add_argument(
@@ -123,7 +129,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     config = EngineConfig(enforce_eager=args.enforce_eager)
     if args.costs:
-        target = _ready(args.target, config)
+        has_mtp = ModelConfig.from_file(args.target / "config.json").mtp is not None
+        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=args.k) if has_mtp else None
+        target = _ready(args.target, dataclasses.replace(config, speculative=spec))
         measure_costs(target, LLMEngine.from_checkpoint(args.draft), args.k)
         return
 
@@ -136,6 +144,7 @@ def main() -> None:
     engines = {
         name: _ready(args.target, dataclasses.replace(config, speculative=spec))
         for name, spec in specs.items()
+        if name == "none" or name in args.drafters
     }
     if args.mtp_head is not None:
         spec = dataclasses.replace(config, speculative=specs["mtp"])
@@ -188,8 +197,7 @@ def main() -> None:
 def _ready(path: Path, config: EngineConfig) -> LLMEngine:
     """An engine whose compiled steps (unless eager) are all built, as a warm server's are."""
     engine = LLMEngine.from_checkpoint(path, config)
-    if engine.runner.graphs is not None:
-        engine.runner.graphs.wait()
+    engine.wait_warm()
     return engine
 
 

@@ -23,7 +23,8 @@ only lower acceptance, never change outputs.
 import torch
 
 from serving.model.causal_lm import CausalLM
-from serving.model.paged import PagedModel, TokenSpan
+from serving.model.mtp_graphs import DraftRows, MTPDraftStep, MTPGraphs
+from serving.model.paged import PagedModel, TokenSpan, graph_rows
 from speculative.draft_model import propose_tokens
 from speculative.proposer import BlockAllocator, DraftSequence, TargetStep
 
@@ -34,34 +35,47 @@ IDLE_STEPS_KEPT = 8
 
 class MTPProposer:
     def __init__(self, runner: PagedModel, blocks: BlockAllocator, vocab: int) -> None:
+        """Where the target's steps are compiled (`runner.graphs`), so are the drafter's
+        (`graphs`, compiled after the target's)."""
         model: CausalLM = runner.model
         if not model.mtp:
             raise ValueError("method 'mtp' needs a checkpoint with MTP weights (tierserve_mtp)")
         self.runner = runner
         self.model = model
-        self.layer = model.mtp[0]
+        self.step = MTPDraftStep(model)
+        self.graphs = MTPGraphs(self.step, runner.graphs) if runner.graphs is not None else None
+        self.hidden_size = model.config.hidden_size
         self.blocks = blocks
         self.vocab = vocab
         self.gapped: set[int] = set()  # sequences whose MTP cache missed a step
         self.idle: dict[int, int] = {}  # steps each sequence has decoded without drafts
 
-    def _forward(self, items: list[tuple[TokenSpan, torch.Tensor]]) -> list[torch.Tensor]:
-        """The MTP layer's outputs over spans of (position, next token) with the target's
-        hidden states at those positions; one tensor per item, in the given order."""
-        order = sorted(range(len(items)), key=lambda i: len(items[i][0].token_ids) != 1)
-        ids, positions, meta = self.runner.prepare([items[i][0] for i in order])
-        hidden = torch.cat([items[i][1] for i in order])
-        rope = self.model.rotary(positions, hidden.dtype)
-        out = self.layer(hidden, self.model.embed_tokens(ids), rope, meta, None)
-        parts = out.split([len(items[i][0].token_ids) for i in order])
-        result: list[torch.Tensor] = [torch.empty(0)] * len(items)
-        for i, part in zip(order, parts, strict=True):
-            result[i] = part
-        return result
+    def draft_rows(self, spans: list[TokenSpan], hidden: torch.Tensor) -> DraftRows:
+        """The MTP layer over spans of (position, next token), `hidden` the target's (or the
+        previous draft's) hidden states of their rows in order: the output and logits at each
+        span's last position. In the compiled graphs where the step fits, else eagerly."""
+        lengths = [len(s.token_ids) for s in spans]
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(sum(lengths), max(len(s.block_table) for s in spans)):
+            out = graphs.draft(hidden, *graph_rows(spans))
+            if len(out) > len(spans):  # a catch-up of several positions
+                out = out[torch.tensor(lengths).cumsum(0) - 1]
+            rows = DraftRows.split(out, self.hidden_size)
+        else:
+            # Eagerly, single positions first (`PagedModel.prepare`), the head on the last rows.
+            order = sorted(range(len(spans)), key=lambda i: lengths[i] != 1)
+            ids, positions, meta = self.runner.prepare([spans[i] for i in order])
+            parts = hidden.split(lengths)
+            out = self.step.hidden(ids, positions, meta, torch.cat([parts[i] for i in order]))
+            ends = torch.tensor([lengths[i] for i in order]).cumsum(0) - 1
+            last = out[ends[torch.tensor(order).argsort()]]
+            rows = DraftRows(last, self.model.compute_logits(last))
+        rows.logits = rows.logits[:, : self.vocab]
+        return rows
 
     @torch.inference_mode()
     def propose(self, seqs: list[DraftSequence], ks: list[int], step: TargetStep) -> None:
-        items, owners = [], []
+        spans, hidden, owners = [], [], {}
         wanted = {s.seq_id for s in seqs}
         offset = 0
         for (seq, n), start in zip(step.batch, step.starts, strict=True):
@@ -74,45 +88,44 @@ class MTPProposer:
                     self.gapped.add(seq.seq_id)
                     live = False
             if live:
-                span = TokenSpan(
-                    seq.block_table, start, seq.token_ids[start + 1 : start + computed + 1]
+                owners[seq.seq_id] = len(spans)
+                spans.append(
+                    TokenSpan(
+                        seq.block_table, start, seq.token_ids[start + 1 : start + computed + 1]
+                    )
                 )
-                items.append((span, step.hidden[offset : offset + computed]))
-                owners.append(seq)
+                hidden.append(step.hidden[offset : offset + computed])
             offset += n
-        if not items:
+        if not spans:
             return
-        outputs = self._forward(items)
         # The output at each sequence's last computed position predicts its first draft.
-        hidden = {seq.seq_id: out[-1:] for seq, out in zip(owners, outputs, strict=True)}
-        drafting = [(s, k) for s, k in zip(seqs, ks, strict=True) if s.seq_id in hidden]
+        caught_up = self.draft_rows(spans, torch.cat(hidden))
+        drafting = [(s, k) for s, k in zip(seqs, ks, strict=True) if s.seq_id in owners]
+        if not drafting:
+            return
+        pick = torch.tensor([owners[s.seq_id] for s, _ in drafting])
+        rows = DraftRows(caught_up.hidden[pick], caught_up.logits[pick])
         probs: dict[int, list[torch.Tensor | None]] = {s.seq_id: [] for s, _ in drafting}
-        for depth in range(max((k for _, k in drafting), default=0)):
+        for depth in range(max(k for _, k in drafting)):
             if depth:  # chain: position N + depth - 1 needs a block
-                drafting = [
-                    (s, k)
-                    for s, k in drafting
+                keep = [
+                    i
+                    for i, (s, k) in enumerate(drafting)
                     if k > depth and self.blocks.allocate_slots(s, depth)
                 ]
-                if not drafting:
+                if not keep:
                     break
-                outs = self._forward(
-                    [
-                        (
-                            TokenSpan(
-                                s.block_table,
-                                s.num_computed_tokens + depth - 1,
-                                [s.draft_token_ids[-1]],
-                            ),
-                            hidden[s.seq_id],
-                        )
-                        for s, _ in drafting
-                    ]
-                )
-                hidden = {s.seq_id: out for (s, _), out in zip(drafting, outs, strict=True)}
-            rows = torch.cat([hidden[s.seq_id] for s, _ in drafting])
-            logits = self.model.compute_logits(rows)[:, : self.vocab]
-            tokens, qs = propose_tokens(logits, [s for s, _ in drafting])
+                if len(keep) < len(drafting):
+                    drafting = [drafting[i] for i in keep]
+                    rows.hidden = rows.hidden[keep]
+                chained = [
+                    TokenSpan(
+                        s.block_table, s.num_computed_tokens + depth - 1, [s.draft_token_ids[-1]]
+                    )
+                    for s, _ in drafting
+                ]
+                rows = self.draft_rows(chained, rows.hidden)
+            tokens, qs = propose_tokens(rows.logits, [s for s, _ in drafting])
             for (s, _), token, q in zip(drafting, tokens, qs, strict=True):
                 s.draft_token_ids.append(token)
                 probs[s.seq_id].append(q)

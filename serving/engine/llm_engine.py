@@ -141,11 +141,19 @@ class LLMEngine:
                 self.runner, config.max_num_seqs, self.max_model_len, num_blocks
             )
         self.requests: dict[str, _Request] = {}
+        proposer = self._proposer(config.speculative) if config.speculative else None
         self.speculator = (
-            Speculator(config.speculative, self._proposer(config.speculative), self.max_model_len)
-            if config.speculative
-            else None
+            Speculator(config.speculative, proposer, self.max_model_len) if proposer else None
         )
+        # Compiled steps, warmed up in the background: the target's, then the MTP drafter's.
+        self.graphs = [
+            g
+            for g in (
+                self.runner.graphs,
+                proposer.graphs if isinstance(proposer, MTPProposer) else None,
+            )
+            if g is not None
+        ]
 
     def _proposer(self, config: SpeculativeConfig) -> Proposer:
         """The configured drafter, wired to the target's runner and blocks."""
@@ -168,11 +176,21 @@ class LLMEngine:
         return cls(model, config, Tokenizer.from_dir(path))
 
     def warmup(self) -> Progress:
-        """How far the compiled decode steps are (`DecodeGraphs.progress`): until they are
-        done, steps of some batch sizes run eagerly, several times slower. An engine without
-        them (`enforce_eager`, or CUDA graphs, captured while it is built) is warm at once."""
-        graphs = self.runner.graphs
-        return graphs.progress() if graphs is not None else Progress(0, 0, done=True)
+        """How far the compiled steps are, the target's and the MTP drafter's together
+        (`DecodeGraphs.progress`): until they are done, steps of some batch sizes run
+        eagerly, several times slower. An engine without them (`enforce_eager`, or CUDA
+        graphs, captured while it is built) is warm at once."""
+        parts = [g.progress() for g in self.graphs]
+        return Progress(
+            sum(p.compiled for p in parts),
+            sum(p.wanted for p in parts),
+            all(p.done for p in parts),
+        )
+
+    def wait_warm(self) -> None:
+        """Until every compiled step is built (benchmarks and tests)."""
+        for graphs in self.graphs:
+            graphs.wait()
 
     # -- requests -------------------------------------------------------------------------
 

@@ -307,13 +307,13 @@ def pack_for_inference(model: CausalLM, decoder_layers: bool = True) -> None:
     faster at decode sizes than a transposed operand (`loadtests/bench_gemm.py`).
     The embedding keeps its layout (its rows are gathered), and so does a head tied to it.
     An fp32 LM head on a CPU gets a copy in oneDNN's layout instead (`pack_onednn`).
-    `decoder_layers=False` leaves the decoder layers as checkpoints lay them out, for compiled
-    decode steps, which read their projections and experts in place, row-major
-    (`serving/model/linear.py`, `kernels/cpu_dense.py`).
+    `decoder_layers=False` leaves the decoder layers and MTP layers as checkpoints lay them
+    out, for compiled decode and draft steps, which read their projections and experts in
+    place, row-major (`serving/model/linear.py`, `kernels/cpu_dense.py`).
     """
     embed = model.embed_tokens.weight
     pack_onednn(model.lm_head)  # computed eagerly after every step, compiled or not
-    kept = set() if decoder_layers else set(model.layers.modules())
+    kept = set() if decoder_layers else {*model.layers.modules(), *model.mtp.modules()}
     for module in model.modules():
         if module in kept:
             continue

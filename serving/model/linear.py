@@ -41,13 +41,18 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.onednn_weight, self.bias, "none", [], ""
             )
-        w = self.weight
-        if not reduces(x):  # a weight held narrower than x (`load_checkpoint`) is widened per call
-            return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), self.bias)
-        # The op reads the weight once for all rows; the fallback's fused loop, once a row
-        # (a narrower weight widens inside it).
-        y = cpu_dense.dense_linear(x, w) if cpu_dense.runs(x, w) else (x.unsqueeze(-2) * w).sum(-1)
-        return y if self.bias is None else y + self.bias
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`Linear`'s product without the oneDNN copy: also for a weight whose module a graph
+    must not see (a oneDNN tensor cannot be pickled with a stored graph's guards)."""
+    if not reduces(x):  # a weight held narrower than x (`load_checkpoint`) is widened per call
+        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), bias)
+    # The op reads the weight once for all rows; the fallback's fused loop, once a row
+    # (a narrower weight widens inside it).
+    y = cpu_dense.dense_linear(x, w) if cpu_dense.runs(x, w) else (x.unsqueeze(-2) * w).sum(-1)
+    return y if bias is None else y + bias
 
 
 def pack_onednn(linear: Linear) -> None:

@@ -43,6 +43,18 @@ class TokenSpan:
     token_ids: list[int]
 
 
+def graph_rows(spans: list[TokenSpan]) -> tuple[list[int], list[int], list[list[int]]]:
+    """A compiled step's rows, one a token: ids, positions and each row's block table."""
+    ids: list[int] = []
+    positions: list[int] = []
+    tables: list[list[int]] = []
+    for s in spans:
+        ids += s.token_ids
+        positions += range(s.start, s.start + len(s.token_ids))
+        tables += [s.block_table] * len(s.token_ids)
+    return ids, positions, tables
+
+
 class PagedModel:
     """Takes the model over for inference: its weights are packed (`pack_for_inference`; the
     decoder layers' only where no compiled decode step reads them) and frozen, and KV cache
@@ -156,11 +168,6 @@ class PagedModel:
         if graphs is not None and graphs.fits(
             sum(len(s.token_ids) for s in spans), max(len(s.block_table) for s in spans)
         ):
-            ids, positions, tables = [], [], []
-            for s in spans:
-                ids += s.token_ids
-                positions += range(s.start, s.start + len(s.token_ids))
-                tables += [s.block_table] * len(s.token_ids)
-            return graphs.run(ids, positions, tables)
+            return graphs.run(*graph_rows(spans))
         input_ids, positions, meta = self.prepare(spans)
         return self.model(input_ids, positions, meta)

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from serving.engine import llm_engine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.config import ModelConfig
 from serving.model.paged import kv_bytes_per_block
@@ -227,3 +228,31 @@ def test_the_draft_models_cache_shares_the_kv_budget() -> None:
     )
     assert engine.blocks.num_blocks == budget // per_block
     assert engine.speculator.proposer.blocks.num_blocks == engine.blocks.num_blocks
+
+
+@pytest.mark.slow
+def test_compiled_mtp_drafter_keeps_plain_greedy_tokens(chat_prompts, tmp_path, monkeypatch):
+    """The MTP draft step compiled beside the target's decode steps: the engine is warm only
+    once both are built, drafts go through its graph (catch-ups of several positions and
+    chained single rows, some in chunks of the graph's size), whole graphs are stored, and
+    greedy outputs are still those of plain decoding."""
+    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [4])  # one graph each
+    prompts = chat_prompts[:4]
+    params = [_params(i) for i in range(len(prompts))]
+    plain, _ = _generate_checked(_engine(None), prompts, params)
+    engine = _engine(SPECS["mtp"], enforce_eager=False)
+    graphs = engine.speculator.proposer.graphs
+    assert engine.graphs == [engine.runner.graphs, graphs]
+    assert engine.warmup() == (0, 2, False)
+    engine.wait_warm()
+    assert engine.warmup() == (2, 2, True)
+    rows = []
+    draft = graphs.draft
+    graphs.draft = lambda hidden, ids, *a: (rows.append(len(ids)), draft(hidden, ids, *a))[1]
+    spec, _ = _generate_checked(engine, prompts, params)
+    assert [_flatten(d) for d in spec] == [_flatten(d) for d in plain]
+    assert max(rows) > 4 and 1 in rows  # chunked catch-ups and chained drafts
+    stats = engine.speculator.stats
+    assert stats.num_accepted_tokens > stats.num_draft_tokens / 2
+    assert len(list((tmp_path / "cache" / "graphs").iterdir())) == 2
