@@ -76,12 +76,15 @@ def load_or_compile(
 ) -> Callable[..., torch.Tensor]:
     """The graph of `model`'s forward on inputs shaped as `example`, loaded from `path`, or
     compiled (with the process's inductor config) and stored there. Call it as
-    `graph(model, *inputs)`."""
+    `graph(model, *inputs)`, with inputs shaped as `example`: its guards are checked once,
+    here, since every call passes the graphs' own buffers, and checking them at each call
+    was a visible share of a one-row step."""
     if path.exists():
         try:
             with path.open("rb") as f:
                 graph = torch.compiler.load_compiled_function(f)
             if graph.guard_check(model, *example):
+                graph.disable_guard_check()
                 return graph
             logger.warning("stored decode graph %s does not fit this model; compiling it", path)
         except Exception:  # a file from an incompatible build: compiled again below
@@ -91,4 +94,5 @@ def load_or_compile(
         graph = compiled.aot_compile((tuple(example), {}))
     path.parent.mkdir(parents=True, exist_ok=True)
     graph.save_compiled_function(str(path))  # written whole, then renamed into place
+    graph.disable_guard_check()
     return graph
