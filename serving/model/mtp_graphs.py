@@ -16,7 +16,13 @@ joined row-wise. The head reads its weight once for all of a graph's rows
 (`kernels/cpu_dense.py`), so the logits of a catch-up's inner positions, which nothing
 reads, cost only their products. The argmax and the sampling filters run eagerly on the
 rows that draft. While a size is not compiled yet, or a step has more rows than the graphs
-take (a prompt's catch-up), the same module runs eagerly and the head only on those rows.
+take (a prompt's catch-up), the same layer runs eagerly, and the head only on each span's
+last row.
+
+Chaining a sequence's greedy drafts inside one graph (each argmax fed to the next depth)
+would save a call a draft, but such a graph writes the MTP cache once a depth with the
+paged attention op reading it in between, and inductor then copies the whole cache at
+every write: many times slower than a call a draft.
 """
 
 from dataclasses import dataclass
@@ -86,8 +92,9 @@ class MTPGraphs(DecodeGraphs):
         """Compiles after `target`'s graphs, in a thread of its own: one compile at a time, and
         the target's first, since plain decoding needs them and speculation does not."""
         self._target = target
-        hidden_size = step.config.hidden_size
-        self.hidden_rows = torch.zeros(target.sizes[-1], hidden_size)  # read before the thread
+        # Read by the thread; in the dtype the graphs compute in (`DecodeGraphs`).
+        dtype = step.embed_tokens.weight.dtype
+        self.hidden_rows = torch.zeros(target.sizes[-1], step.config.hidden_size, dtype=dtype)
         super().__init__(
             step,
             target.block_size,
