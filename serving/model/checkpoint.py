@@ -116,9 +116,9 @@ def load_checkpoint(
     packed codes or scales disagree with its config.json is refused (`CheckpointError`).
 
     Where `auto` computes wider than the checkpoint's dtype (a bf16 checkpoint on a CPU
-    without native bf16: fp32), the weights of the decoder layers (projections, routers,
-    experts; an MTP block's experts too) stay in the checkpoint's dtype and are widened as
-    they are used: inside the compiled decode steps' fused loops, per call in eager steps,
+    without native bf16: fp32), the weights of the decoder layers and MTP layers (projections,
+    routers, experts) stay in the checkpoint's dtype and are widened as they are used: inside
+    the compiled decode and draft steps' fused loops and C++ ops, per call in eager steps,
     only the used experts in grouped ones. Widening bf16 is exact, so the model computes
     what it would with fp32 weights, in half their memory, and no slower (a compiled step
     reads half the bytes); FP4 weights dequantized at load are held in the checkpoint's dtype
@@ -166,11 +166,13 @@ def load_checkpoint(
 
 
 def _held_narrow(name: str, value: torch.Tensor) -> bool:
-    """A decoder layer's weight matrix or an expert weight: what `auto` keeps in the
+    """A decoder or MTP layer's weight matrix or an expert weight: what `auto` keeps in the
     checkpoint's dtype where it computes wider. The embedding (gathered, and the tied LM head
-    packed for oneDNN), the norms and an MTP block's eager projections are widened at load."""
+    packed for oneDNN) and the norms are widened at load."""
     leaf = name.rpartition(".")[2]
-    return leaf in ("gate_up", "down") or (name.startswith("layers.") and value.dim() >= 2)
+    return leaf in ("gate_up", "down") or (
+        name.startswith(("layers.", "mtp.")) and value.dim() >= 2
+    )
 
 
 def save_checkpoint(

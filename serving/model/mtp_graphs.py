@@ -45,8 +45,11 @@ class MTPDraftStep(nn.Module):
         self.embed_tokens = model.embed_tokens
         self.rotary = model.rotary
         self.layer = model.mtp[0]
-        # The head's weight, not its module: that holds a oneDNN copy for eager calls.
-        self.head_weight = model.lm_head.weight
+        # The head's weight, not its module (which holds a oneDNN copy for eager calls), held
+        # as the MTP layer's own weights are (`load_checkpoint`): of a draft step's weight
+        # reads, the head's are the most, and a narrower copy of a widened checkpoint's
+        # weight is exact.
+        self.head_weight = model.lm_head.weight.detach().to(self.layer.eh_proj.weight.dtype)
 
     def hidden(
         self,
