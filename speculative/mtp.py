@@ -49,6 +49,8 @@ class MTPProposer:
         self.vocab = vocab
         self.gapped: set[int] = set()  # sequences whose MTP cache missed a step
         self.idle: dict[int, int] = {}  # steps each sequence has decoded without drafts
+        # Where the last proposal's chain fed drafts to the MTP layer: (first position, tokens).
+        self.chained: dict[int, tuple[int, list[int]]] = {}
 
     def draft_rows(self, spans: list[TokenSpan], hidden: torch.Tensor) -> DraftRows:
         """The MTP layer over spans of (position, next token), `hidden` the target's (or the
@@ -87,14 +89,18 @@ class MTPProposer:
                 if idle > IDLE_STEPS_KEPT:  # decoding without drafts: no catch-up from now on
                     self.gapped.add(seq.seq_id)
                     live = False
+            chained = self.chained.pop(seq.seq_id, None)
             if live:
+                skip = self._chained_prefix(seq, start, computed, chained)
                 owners[seq.seq_id] = len(spans)
                 spans.append(
                     TokenSpan(
-                        seq.block_table, start, seq.token_ids[start + 1 : start + computed + 1]
+                        seq.block_table,
+                        start + skip,
+                        seq.token_ids[start + skip + 1 : start + computed + 1],
                     )
                 )
-                hidden.append(step.hidden[offset : offset + computed])
+                hidden.append(step.hidden[offset + skip : offset + computed])
             offset += n
         if not spans:
             return
@@ -129,10 +135,29 @@ class MTPProposer:
             for (s, _), token, q in zip(drafting, tokens, qs, strict=True):
                 s.draft_token_ids.append(token)
                 probs[s.seq_id].append(q)
+        for s, _ in drafting:
+            self.chained[s.seq_id] = (s.num_computed_tokens, s.draft_token_ids[:-1])
         for s in seqs:
             qs = probs.get(s.seq_id)
             if qs and qs[0] is not None:
                 s.draft_probs = torch.stack(qs)
+
+    @staticmethod
+    def _chained_prefix(
+        seq: DraftSequence, start: int, computed: int, chained: tuple[int, list[int]] | None
+    ) -> int:
+        """How many of the positions just computed the catch-up can skip: those where the
+        last proposal's chain already fed the token that was then accepted, so the MTP cache
+        holds an entry for it (made from the drafter's own hidden state rather than the
+        target's, which can only lower acceptance). The last position always runs: its
+        output drafts next."""
+        if chained is None or chained[0] != start:
+            return 0
+        fed = chained[1]
+        skip = 0
+        while skip < min(len(fed), computed - 1) and seq.token_ids[start + skip + 1] == fed[skip]:
+            skip += 1
+        return skip
 
     def pause(self, step: TargetStep) -> None:
         self.gapped.update(seq.seq_id for seq, _ in step.batch)
@@ -140,3 +165,4 @@ class MTPProposer:
     def release(self, seq: DraftSequence) -> None:
         self.gapped.discard(seq.seq_id)
         self.idle.pop(seq.seq_id, None)
+        self.chained.pop(seq.seq_id, None)

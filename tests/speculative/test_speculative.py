@@ -237,7 +237,7 @@ def test_compiled_mtp_drafter_keeps_plain_greedy_tokens(chat_prompts, tmp_path, 
     chained single rows, some in chunks of the graph's size), whole graphs are stored, and
     greedy outputs are still those of plain decoding."""
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [4])  # one graph each
+    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [2])  # one graph each
     prompts = chat_prompts[:4]
     params = [_params(i) for i in range(len(prompts))]
     plain, _ = _generate_checked(_engine(None), prompts, params)
@@ -252,7 +252,7 @@ def test_compiled_mtp_drafter_keeps_plain_greedy_tokens(chat_prompts, tmp_path, 
     graphs.draft = lambda hidden, ids, *a: (rows.append(len(ids)), draft(hidden, ids, *a))[1]
     spec, _ = _generate_checked(engine, prompts, params)
     assert [_flatten(d) for d in spec] == [_flatten(d) for d in plain]
-    assert max(rows) > 4 and 1 in rows  # chunked catch-ups and chained drafts
+    assert max(rows) > 2 and 1 in rows  # catch-ups in chunks, and single chained drafts
     stats = engine.speculator.stats
     assert stats.num_accepted_tokens > stats.num_draft_tokens / 2
     assert len(list((tmp_path / "cache" / "graphs").iterdir())) == 2
