@@ -71,9 +71,9 @@ def _ms(fn, calls: int = 200) -> float:
 @torch.inference_mode()
 def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
     """`speculative.speculator.COSTS` in plain decode steps, at a context of 300 tokens:
-    f (verifying k + 1 tokens; for MTP also its layer over a step's ~3 new tokens) and c
-    (one more draft); first, what a step of one sequence costs by its tokens (a verify step's
-    rows)."""
+    f (verifying k + 1 tokens; for MTP also its draft step over the two positions a catch-up
+    runs on after a fully accepted step) and c (one more draft); first, what a step of one
+    sequence costs by its tokens (a verify step's rows)."""
 
     def span(n: int) -> list[TokenSpan]:
         return [TokenSpan(list(range(32)), 300, list(range(10, 10 + n)))]
@@ -96,7 +96,7 @@ def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
     print(f"plain decode step {decode:.2f} ms; in decode steps:")
     print(f"  ngram: fixed {verify:.2f}, per draft 0")
     if target.speculator:  # a target without MTP layers (the benchmark shape) has no MTP drafter
-        print(f"  mtp:   fixed {verify + mtp(3) / decode:.2f}, per draft {mtp(1) / decode:.2f}")
+        print(f"  mtp:   fixed {verify + mtp(2) / decode:.2f}, per draft {mtp(1) / decode:.2f}")
     print(f"  draft: fixed {verify:.2f}, per draft {draft_c:.2f}")
 
 

@@ -8,8 +8,12 @@ after every step the layer runs over the positions the target just computed ("ca
 with this step's hidden states. Its output at the last computed position predicts the
 first draft; further drafts chain the same layer on its own output and the previous draft
 (like vLLM with more speculative tokens than MTP layers; deeper MTP layers are not used).
-Chained positions lie past the computed ones, so the target's verification step and the
-next catch-up overwrite them.
+Chained positions lie past the computed ones: where the target rejects their token, the
+next catch-up overwrites them; where it accepts it, the chain's entry stays and the
+catch-up starts after it (the layer was trained on its own chained outputs, and acceptance
+did not drop), so after a verify step it runs on one or two positions, not on k + 1. On a
+CPU with compiled decode steps the layer and the head run in graphs of their own
+(`serving/model/mtp_graphs.py`).
 
 Steps without speculation (a busy engine) skip the catch-up to save its cost, and so does a
 sequence that has decoded `IDLE_STEPS_KEPT` steps in a row without drafts (its lookahead
