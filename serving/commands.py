@@ -146,12 +146,14 @@ def run_engine(args: argparse.Namespace) -> None:
         import_compiler()
         if not sys.stdin.readline():  # the gateway closed the pipe: it is gone or stopping
             return
+    config = _engine_config(args)
+    config.compile_graphs_apart = True  # a server: ready at one stream's full speed sooner
     serve(
         args.model,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
-        engine_config=_engine_config(args),
+        engine_config=config,
         model_name=args.served_model_name,
         generation_config=args.generation_config,
     )

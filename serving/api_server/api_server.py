@@ -110,11 +110,13 @@ def build_app(
     async def health() -> JSONResponse:
         """vLLM's semantics: 200 once the engine serves at full speed. While its decode steps
         still compile it answers (eagerly, slower), but /health says 503 with how far the
-        warm-up is, so a gateway or a load balancer sends it traffic only once it is fast."""
+        warm-up is, so a gateway or a load balancer sends it traffic only once it is fast.
+        Full speed is one stream's: graphs of more rows, compiled apart, come in after
+        (`EngineConfig.compile_graphs_apart`); until then such steps run in chunks."""
         if not engine.healthy:
             raise APIError(503, "The engine is not running.", type="server_error")
         progress = engine.engine.warmup()
-        if not progress.done:
+        if not progress.ready:
             return warming_response(progress)
         return JSONResponse({"status": "ok"})
 

@@ -1,12 +1,15 @@
 """The engine: requests in, token and text deltas out, one scheduled step at a time."""
 
+import functools
+import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from serving.engine import cuda_graphs
+from serving.engine import compile_process, cuda_graphs
 from serving.engine.block_manager import BlockManager
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.json_constraint import JsonObjectConstraint
@@ -61,6 +64,10 @@ class EngineConfig:
     # rollouts and scripts start at once; `tierserve engine` and `generate` and gateway tiers
     # capture unless given --enforce-eager, as vLLM does.
     enforce_eager: bool = True
+    # A server's decode graphs past the one-row graph compile in a process of their own
+    # (`serving/engine/compile_process.py`), so it is ready, and serves undisturbed, sooner;
+    # only an engine made `from_checkpoint` can start one.
+    compile_graphs_apart: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,9 @@ class LLMEngine:
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
         eos_token_ids: list[int] | None = None,
+        compile_apart: Callable[[], subprocess.Popen] | None = None,
     ) -> None:
+        """`compile_apart`: see `EngineConfig.compile_graphs_apart`."""
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -135,6 +144,7 @@ class LLMEngine:
             kv_dtype,
             # Compiled decode steps on a CPU; a GPU's are CUDA graphs (below).
             None if config.enforce_eager or graphs else graph_sizes(config.max_num_seqs),
+            compile_apart,
         )
         if graphs:  # block `num_blocks` is never handed out: padded rows write there
             self.runner.cuda_graphs = cuda_graphs.CUDAGraphs(
@@ -173,7 +183,10 @@ class LLMEngine:
     def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
         config = config or EngineConfig()
         model = load_checkpoint(path, config.dtype, resolve_device(config.device))
-        return cls(model, config, Tokenizer.from_dir(path))
+        compile_apart = None
+        if config.compile_graphs_apart:
+            compile_apart = functools.partial(compile_process.spawn, Path(path), config)
+        return cls(model, config, Tokenizer.from_dir(path), compile_apart=compile_apart)
 
     def warmup(self) -> Progress:
         """How far the compiled steps are, the target's and the MTP drafter's together
@@ -184,6 +197,7 @@ class LLMEngine:
         return Progress(
             sum(p.compiled for p in parts),
             sum(p.wanted for p in parts),
+            all(p.ready for p in parts),
             all(p.done for p in parts),
         )
 

@@ -2,6 +2,8 @@
 for each sequence that reaches its end (sampled, or drafts verified), and prompt logprobs.
 """
 
+import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +48,9 @@ class ModelRunner(PagedModel):
         eos_token_ids: list[int],
         kv_cache_dtype: torch.dtype | None = None,
         graph_sizes: list[int] | None = None,
+        compile_apart: Callable[[], subprocess.Popen] | None = None,
     ) -> None:
-        super().__init__(model, num_blocks, block_size, kv_cache_dtype, graph_sizes)
+        super().__init__(model, num_blocks, block_size, kv_cache_dtype, graph_sizes, compile_apart)
         self.sampler = Sampler(model.config.vocab_size, eos_token_ids)
         self.cuda_graphs: CUDAGraphs | None = None  # set by the engine on a GPU unless eager
 

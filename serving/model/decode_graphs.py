@@ -24,14 +24,18 @@ FP4 experts and linears on a CPU are C++ ops too (`tierserve_fp4::moe`, `tierser
 
 Graphs are compiled when the engine starts, in a background thread, smallest size first;
 until a size is ready its steps run eagerly, and the engine reports itself warming
-(`progress`): the tier server's /health answers 503 with the progress until every size is
-compiled, as vLLM's server is not healthy before its graphs are captured, so a gateway
-routes only to tiers at full speed. Work left to compile after that would not be free: its
-tracing and code generation are Python, which takes turns with the engine's thread for the
-GIL and slowed a tier's steps several times over while it ran. So the sizes stop at 8, and
-a step of more rows (up to `MAX_CHUNKED_ROWS`) runs in chunks of the largest size, at
-nearly the cost of a graph of its own, since a chunk of 8 rows already reads its weights
-once for all of them.
+(`progress`): the tier server's /health answers 503 with the progress until the graphs full
+speed needs are in, as vLLM's server is not healthy before its graphs are captured, so a
+gateway routes only to tiers at full speed. Work compiled here after that would not be free:
+its tracing and code generation are Python, which takes turns with the engine's thread for
+the GIL and slowed a tier's steps several times over while it ran. So a server
+(`compile_apart`) compiles here only the one-row graph, which one stream's full speed needs,
+and loads the others once a niced process of their own has compiled and stored them
+(`serving/engine/compile_process.py`); until then a step of more rows runs in chunks of the
+largest size in. Without that process every size compiles here before the engine is ready.
+The sizes stop at 8, and a step of more rows (up to `MAX_CHUNKED_ROWS`) runs in chunks of the
+largest size, at nearly the cost of a graph of its own, since a chunk of 8 rows already reads
+its weights once for all of them.
 Compiling in the background rather than before the server listens lets it answer /health
 with that progress meanwhile. Inductor's caches live on disk (`compile_cache_dir`), and so do
 the fp32 graphs whole (`precompiled.py`), so a restart loads them rather than tracing them
@@ -43,6 +47,7 @@ import contextlib
 import functools
 import logging
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -53,9 +58,9 @@ from typing import NamedTuple
 import torch
 
 from kernels import cpu_dense, ops
+from serving.model import precompiled
 from serving.model.attention import AttentionMetadata, padded_tables
 from serving.model.causal_lm import CausalLM
-from serving.model.precompiled import graph_key, load_or_compile
 
 logger = logging.getLogger(__name__)
 
@@ -135,11 +140,14 @@ def release_gil_in_kernels() -> None:
 
 
 class Progress(NamedTuple):
-    """How far the warm-up is: graphs compiled of those wanted; `done` once the compile
-    thread has ended (every graph compiled, or a failure that leaves the rest eager)."""
+    """How far the warm-up is: graphs compiled of those wanted; `ready` once the graphs that
+    full speed needs are in (the one-row graph, where the others compile apart); `done` once
+    the compile thread has ended (every graph compiled, or a failure that leaves the rest
+    eager)."""
 
     compiled: int
     wanted: int
+    ready: bool
     done: bool
 
 
@@ -178,9 +186,13 @@ class DecodeGraphs:
         max_blocks: int,
         scratch_block: int,
         sizes: list[int],
+        compile_apart: Callable[[], subprocess.Popen] | None = None,
     ) -> None:
         """`max_blocks`: the most blocks a sequence can hold; `scratch_block`: a cache block
-        no sequence owns, where padding rows write. Starts compiling in the background."""
+        no sequence owns, where padding rows write. `compile_apart` starts a process that
+        compiles and stores this model's graphs (`serving/engine/compile_process.py`): with
+        it, graphs past the first that are not stored yet are compiled there, not here.
+        Starts compiling in the background."""
         # Set, not defaulted: importing some libraries (torchao) sets it to inductor's /tmp default.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
         self.sizes = sizes
@@ -202,7 +214,9 @@ class DecodeGraphs:
         self.forward: Callable[..., torch.Tensor] | None = None  # set by the thread
         self._stored: dict[int, Callable[..., torch.Tensor]] = {}  # by size (`precompiled`)
         self.ready_sizes: tuple[int, ...] = ()  # compiled, ascending; replaced whole
+        self.ready = False  # the graphs compiled here are in
         self.done = False  # the compile thread has ended
+        self._compile_apart = compile_apart
         # Made here, not in the thread's inference mode: guards tell inference tensors apart.
         inputs = [padding(size) for size in sizes]
         self._capture = threading.Thread(
@@ -215,7 +229,7 @@ class DecodeGraphs:
         self._capture.join()
 
     def progress(self) -> Progress:
-        return Progress(len(self.ready_sizes), len(self.sizes), self.done)
+        return Progress(len(self.ready_sizes), len(self.sizes), self.ready, self.done)
 
     @torch.inference_mode()
     def _compile(self, model: CausalLM, inputs: list[_Inputs]) -> None:
@@ -228,6 +242,7 @@ class DecodeGraphs:
         # Whole graphs on disk (`precompiled`): static shapes only, and no frozen weights; and
         # only graphs of the C++ ops, which their key does not tell apart from the fallbacks.
         store = self.paged_kernel and self.dense_kernel and dtype == torch.float32
+        apart: list[tuple[_Inputs, Path]] = []  # left to the process of `compile_apart`
         try:
             release_gil_in_kernels()
             self.forward = torch.compile(model, dynamic=False, fullgraph=True)
@@ -235,25 +250,73 @@ class DecodeGraphs:
             # dynamo's config is per thread.
             torch._dynamo.config.recompile_limit = 64
             with inductor_config(dtype):
-                for padding in inputs:
+                for i, padding in enumerate(inputs):
                     if store:
-                        example = self._arguments(padding, padding.block_tables)
-                        path = compile_cache_dir().parent / "graphs" / graph_key(model, example)
-                        self._stored[len(padding.ids)] = load_or_compile(model, example, path)
-                    self._call(padding)
-                    self.ready_sizes += (len(padding.ids),)
+                        example, path = self._stored_at(padding)
+                        if i and self._compile_apart is not None and not path.exists():
+                            apart.append((padding, path))
+                            continue
+                        self._stored[len(padding.ids)] = precompiled.load_or_compile(
+                            model, example, path
+                        )
+                    self._add_ready(padding)
+            self.ready = True
+            logger.info(
+                "compiled decode steps for batch sizes %s in %.1f s (cache: %s%s)",
+                list(self.ready_sizes),
+                time.monotonic() - start,
+                os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                ", whole graphs in graphs/" if store else "",
+            )
+            if apart:
+                self._load_compiled_apart(apart)
         except Exception:
             logger.exception("compiling decode steps failed; they run eagerly")
-            return
         finally:
-            self.done = True
+            self.ready = self.done = True
+
+    def _load_compiled_apart(self, inputs: list[tuple[_Inputs, Path]]) -> None:
+        """Start the process that compiles the sizes of `inputs`, wait for it, and load the
+        graphs it stored at their paths. A size it did not store stays uncompiled: its steps
+        run in chunks of the largest size compiled."""
+        assert self._compile_apart is not None
+        start = time.monotonic()
+        sizes = [len(padding.ids) for padding, _ in inputs]
+        process = self._compile_apart()
         logger.info(
-            "compiled decode steps for batch sizes %s in %.1f s (cache: %s%s)",
-            self.sizes,
-            time.monotonic() - start,
-            os.environ["TORCHINDUCTOR_CACHE_DIR"],
-            ", whole graphs in graphs/" if store else "",
+            "compiling decode steps for batch sizes %s apart, in process %d", sizes, process.pid
         )
+        returncode = process.wait()
+        for padding, path in inputs:
+            example = self._arguments(padding, padding.block_tables)
+            graph = precompiled.load(self.model, example, path)
+            if graph is None:
+                logger.warning(
+                    "no decode graph of %d rows was stored (compile process exit status %d); "
+                    "those steps run in chunks",
+                    len(padding.ids),
+                    returncode,
+                )
+                continue
+            self._stored[len(padding.ids)] = graph
+            self._add_ready(padding)
+        logger.info(
+            "loaded decode steps for batch sizes %s, compiled apart in %.1f s",
+            sizes,
+            time.monotonic() - start,
+        )
+
+    def _stored_at(self, padding: _Inputs) -> tuple[tuple[object, ...], Path]:
+        """A size's example arguments and the file its whole graph is stored in."""
+        example = self._arguments(padding, padding.block_tables)
+        return example, compile_cache_dir().parent / "graphs" / precompiled.graph_key(
+            self.model, example
+        )
+
+    def _add_ready(self, padding: _Inputs) -> None:
+        """Run the size's graph once (its first call does one-time work), then offer it."""
+        self._call(padding)
+        self.ready_sizes = tuple(sorted((*self.ready_sizes, len(padding.ids))))
 
     def fits(self, num_rows: int, max_table_len: int) -> bool:
         """Whether a decode step of `num_rows` rows can run in compiled graphs now: in one,

@@ -9,6 +9,8 @@ samples from it; a draft model runs on one of its own, and the MTP drafter reuse
 target's.
 """
 
+import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,9 +69,11 @@ class PagedModel:
         block_size: int,
         kv_cache_dtype: torch.dtype | None = None,
         graph_sizes: list[int] | None = None,
+        compile_apart: Callable[[], subprocess.Popen] | None = None,
     ) -> None:
         """`kv_cache_dtype`: default, the model's. `graph_sizes`: compile decode steps at
-        these padded batch sizes (`DecodeGraphs`, in the background); None runs every step
+        these padded batch sizes (`DecodeGraphs`, in the background, the larger ones in the
+        process `compile_apart` starts where it is given); None runs every step
         eagerly, and so does a model with FP4 linear layers (its CPU path dequantizes in
         Python, which a graph would trace into a slow fused loop); FP4 experts are an opaque
         op there."""
@@ -104,7 +108,9 @@ class PagedModel:
         self.graphs = None
         if graph_sizes:
             max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // block_size))
-            self.graphs = DecodeGraphs(model, block_size, max_blocks, num_blocks, graph_sizes)
+            self.graphs = DecodeGraphs(
+                model, block_size, max_blocks, num_blocks, graph_sizes, compile_apart
+            )
 
     def prepare(
         self, spans: list[TokenSpan]

@@ -20,6 +20,7 @@ and the source of the model's and the kernels' code. A file that fails to load i
 again and replaced.
 """
 
+import functools
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
@@ -35,8 +36,10 @@ logger = logging.getLogger(__name__)
 _SOURCES = (Path(causal_lm.__file__).parent, Path(kernels.__file__).parent)
 
 
+@functools.cache
 def _source_digest() -> str:
-    """The model's and the kernels' code, which a stored graph was traced from."""
+    """The model's and the kernels' code, which a stored graph was traced from: as the process
+    read it first, since the code it runs is what it imported, whatever the files say now."""
     digest = hashlib.sha256()
     for root in _SOURCES:
         for path in sorted(root.rglob("*")):
@@ -71,24 +74,37 @@ def graph_key(model: torch.nn.Module, example: Sequence[object]) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
+def load(
+    model: torch.nn.Module, example: Sequence[object], path: Path
+) -> Callable[..., torch.Tensor] | None:
+    """The graph stored at `path` if there is one that loads and fits `model` and inputs
+    shaped as `example`; call it as `graph(model, *inputs)`, with inputs shaped as `example`:
+    its guards are checked once, here, since every call passes the graphs' own buffers, and
+    checking them at each call was a visible share of a one-row step."""
+    if not path.exists():
+        return None
+    try:
+        with path.open("rb") as f:
+            graph = torch.compiler.load_compiled_function(f)
+    except Exception:  # a file from an incompatible build
+        logger.warning("stored decode graph %s did not load", path)
+        return None
+    if not graph.guard_check(model, *example):
+        logger.warning("stored decode graph %s does not fit this model", path)
+        return None
+    graph.disable_guard_check()
+    return graph
+
+
 def load_or_compile(
     model: torch.nn.Module, example: Sequence[object], path: Path
 ) -> Callable[..., torch.Tensor]:
     """The graph of `model`'s forward on inputs shaped as `example`, loaded from `path`, or
-    compiled (with the process's inductor config) and stored there. Call it as
-    `graph(model, *inputs)`, with inputs shaped as `example`: its guards are checked once,
-    here, since every call passes the graphs' own buffers, and checking them at each call
-    was a visible share of a one-row step."""
-    if path.exists():
-        try:
-            with path.open("rb") as f:
-                graph = torch.compiler.load_compiled_function(f)
-            if graph.guard_check(model, *example):
-                graph.disable_guard_check()
-                return graph
-            logger.warning("stored decode graph %s does not fit this model; compiling it", path)
-        except Exception:  # a file from an incompatible build: compiled again below
-            logger.warning("stored decode graph %s did not load; compiling it", path)
+    compiled (with the process's inductor config) and stored there, replacing a file that
+    did not load. Call it as `graph(model, *inputs)`."""
+    graph = load(model, example, path)
+    if graph is not None:
+        return graph
     with torch._dynamo.config.patch(enable_aot_compile=True):
         compiled = torch.compile(model.forward, fullgraph=True, dynamic=False)
         graph = compiled.aot_compile((tuple(example), {}))

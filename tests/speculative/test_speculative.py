@@ -244,9 +244,9 @@ def test_compiled_mtp_drafter_keeps_plain_greedy_tokens(chat_prompts, tmp_path, 
     engine = _engine(SPECS["mtp"], enforce_eager=False)
     graphs = engine.speculator.proposer.graphs
     assert engine.graphs == [engine.runner.graphs, graphs]
-    assert engine.warmup() == (0, 2, False)
+    assert engine.warmup() == (0, 2, False, False)
     engine.wait_warm()
-    assert engine.warmup() == (2, 2, True)
+    assert engine.warmup() == (2, 2, True, True)
     rows = []
     draft = graphs.draft
     graphs.draft = lambda hidden, ids, *a: (rows.append(len(ids)), draft(hidden, ids, *a))[1]

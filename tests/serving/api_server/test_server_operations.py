@@ -26,15 +26,18 @@ from tests.serving.api_server.tier_app import (
 async def test_health_is_503_with_progress_while_warming(
     aengine: AsyncEngine, tokenizer, monkeypatch
 ) -> None:
-    """Not healthy until the decode graphs are compiled (vLLM's /health), with how far they
-    are; the tier answers requests meanwhile (eagerly)."""
-    warmups = iter([Progress(2, 6, done=False), Progress(6, 6, done=True)])
+    """Not healthy until the decode graphs full speed needs are compiled (vLLM's /health),
+    with how far they are; the tier answers requests meanwhile (eagerly). Ready with one
+    graph of four: the others are being compiled apart."""
+    warmups = iter(
+        [Progress(0, 4, ready=False, done=False), Progress(1, 4, ready=True, done=False)]
+    )
     monkeypatch.setattr(aengine.engine, "warmup", lambda: next(warmups))
     async with asgi_client(build_app(aengine, tokenizer, MODEL)) as c:
         warming = await c.get("/health")
         assert_error(warming, 503, code="warming_up")
-        assert warming.json()["warmup"] == {"graphs_compiled": 2, "graphs_wanted": 6}
-        assert "2 of 6" in warming.json()["error"]["message"]
+        assert warming.json()["warmup"] == {"graphs_compiled": 0, "graphs_wanted": 4}
+        assert "0 of 4" in warming.json()["error"]["message"]
         assert warming.headers["retry-after"] == "1"
         assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
         ready = await c.get("/health")

@@ -53,10 +53,10 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch, fp4
     assert any(isinstance(m, QuantizedWeight) for m in compiled.model.modules()) == fp4
     graphs = compiled.runner.graphs
     # Warming while the graph compiles (seconds at least: its thread first imports dynamo).
-    assert compiled.warmup() == (0, 1, False)
+    assert compiled.warmup() == (0, 1, False, False)
     graphs.wait()
     assert graphs.ready_sizes == (4,)
-    assert compiled.warmup() == (1, 1, True)
+    assert compiled.warmup() == (1, 1, True, True)
     assert eager.warmup().done  # nothing to compile
     compiled_frames = counters["frames"]["total"]
     sizes = []
@@ -82,7 +82,7 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch, fp4
         eos_token_ids=[],
     )
     restarted.runner.graphs.wait()
-    assert restarted.warmup() == (1, 1, True)
+    assert restarted.warmup() == (1, 1, True, True)
     assert counters["frames"]["total"] == frames
     assert [o[0].token_ids for o in restarted.generate(ps, params)] == want
     assert [p.name for p in (tmp_path / "cache" / "graphs").iterdir()] == [stored.name]
