@@ -9,11 +9,14 @@ import torch
 from serving.engine import cuda_graphs
 from serving.engine.block_manager import BlockManager
 from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.engine_config import CPU_KV_CACHE_BYTES, EngineConfig
+from serving.engine.hybrid_setup import check_num_blocks, hybrid_parts
 from serving.engine.json_constraint import JsonObjectConstraint
 from serving.engine.model_runner import ModelRunner, SampledTokens
 from serving.engine.outputs import RequestOutput, SequenceOutput
 from serving.engine.scheduler import Scheduler
 from serving.engine.sequence import Sequence
+from serving.engine.state_slots import StateSlots
 from serving.engine.token_vocabulary import json_vocabulary
 from serving.engine.tool_constraint import OptionalToolCallConstraint, ToolCallConstraint
 from serving.model.causal_lm import CausalLM
@@ -24,6 +27,8 @@ from serving.model.device import kv_cache_budget, resolve_device
 from serving.model.dtype import resolve_kv_cache_dtype
 from serving.model.host_memory import retain_freed_memory
 from serving.model.host_threads import TorchThreads
+from serving.model.hybrid.checkpoint import is_hybrid_checkpoint, load_hybrid_checkpoint
+from serving.model.hybrid.model import HybridCausalLM
 from serving.model.paged import kv_bytes_per_block
 from serving.model.tokenizer import Tokenizer
 from serving.sampling.params import SamplingParams, TokenLogprob
@@ -35,32 +40,9 @@ from speculative.ngram import NgramProposer
 from speculative.proposer import Proposer
 from speculative.speculator import Speculator
 
-CPU_KV_CACHE_BYTES = 256 << 20
-
 
 class EngineInputError(ValueError):
     """A request the engine cannot run as given (the server answers 400)."""
-
-
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    # None: CPU_KV_CACHE_BYTES on a CPU; on a GPU, what gpu_memory_utilization leaves.
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9  # vLLM's: the GPU's share this engine may use
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    speculative: SpeculativeConfig | None = None
-    dtype: str = "auto"  # what `from_checkpoint` loads the weights in (`serving/model/dtype.py`)
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype
-    device: str = "auto"  # where `from_checkpoint` loads the model; the engine runs there
-    # vLLM's flag: no compiled decode steps on a CPU (`serving/model/decode_graphs.py`), no
-    # CUDA graphs on a GPU (`serving/engine/cuda_graphs.py`). Eager here, so tests, training
-    # rollouts and scripts start at once; `tierserve engine` and `generate` and gateway tiers
-    # capture unless given --enforce-eager, as vLLM does.
-    enforce_eager: bool = True
 
 
 @dataclass(frozen=True)
@@ -87,7 +69,7 @@ class _Request:
 class LLMEngine:
     def __init__(
         self,
-        model: CausalLM,
+        model: CausalLM | HybridCausalLM,
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
         eos_token_ids: list[int] | None = None,
@@ -111,30 +93,39 @@ class LLMEngine:
         if weight.device.type == "cpu":
             retain_freed_memory()
         self.threads = TorchThreads()  # this thread's count, for the thread that steps
-        per_block = kv_bytes_per_block(model.config, config.block_size, kv_dtype)
-        if config.speculative and config.speculative.method == "draft":
-            # The draft model keeps as many blocks as the target (`_proposer`): one budget.
-            draft = ModelConfig.from_file(Path(config.speculative.model) / "config.json")
-            per_block += kv_bytes_per_block(draft, config.block_size, weight.dtype)
-        num_blocks = budget // per_block
-        num_blocks -= graphs  # the spare block of CUDA graphs' padded rows (below)
-        if num_blocks < 1:
-            raise ValueError(f"a KV cache budget of {budget} bytes is too small for one block")
+        eos = sorted(self.eos_token_ids)
+        self.state_slots: StateSlots | None = None
+        if isinstance(model, HybridCausalLM):
+            graphs = False
+            self.runner, self.blocks, self.state_slots = hybrid_parts(
+                model, config, budget, kv_dtype, eos
+            )
+        else:
+            per_block = kv_bytes_per_block(model.config, config.block_size, kv_dtype)
+            if config.speculative and config.speculative.method == "draft":
+                # The draft model keeps as many blocks as the target (`_proposer`): one budget.
+                draft = ModelConfig.from_file(Path(config.speculative.model) / "config.json")
+                per_block += kv_bytes_per_block(draft, config.block_size, weight.dtype)
+            # Less the spare block of CUDA graphs' padded rows (below).
+            num_blocks = check_num_blocks(budget // per_block - graphs, budget)
+            self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            self.runner = ModelRunner(
+                model,
+                num_blocks + graphs,
+                config.block_size,
+                eos,
+                kv_dtype,
+                # Compiled decode steps on a CPU; a GPU's are CUDA graphs (below).
+                None if config.enforce_eager or graphs else graph_sizes(config.max_num_seqs),
+            )
+        num_blocks = self.blocks.num_blocks
         self.max_model_len = min(
             config.max_model_len or model.config.max_position_embeddings,
             model.config.max_position_embeddings,
             num_blocks * config.block_size,
         )
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(
-            model,
-            num_blocks + graphs,
-            config.block_size,
-            sorted(self.eos_token_ids),
-            kv_dtype,
-            # Compiled decode steps on a CPU; a GPU's are CUDA graphs (below).
-            None if config.enforce_eager or graphs else graph_sizes(config.max_num_seqs),
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.state_slots
         )
         if graphs:  # block `num_blocks` is never handed out: padded rows write there
             self.runner.cuda_graphs = cuda_graphs.CUDAGraphs(
@@ -164,7 +155,11 @@ class LLMEngine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
         config = config or EngineConfig()
-        model = load_checkpoint(path, config.dtype, resolve_device(config.device))
+        device = resolve_device(config.device)
+        if is_hybrid_checkpoint(path):
+            model = load_hybrid_checkpoint(path, config.dtype, device)
+        else:
+            model = load_checkpoint(path, config.dtype, device)
         return cls(model, config, Tokenizer.from_dir(path))
 
     def warmup(self) -> Progress:

@@ -9,7 +9,9 @@ and never stalls a stream), oldest first within each; waiting ones are
 admitted in arrival order while budget, sequence slots and cache blocks last. When the
 cache runs out the newest running sequence is preempted: its blocks are freed and it is
 recomputed later (its full blocks usually survive in the prefix cache, which makes that
-cheap).
+cheap). A hybrid model's sequences also need a DeltaNet state slot to run
+(`state_slots.py`): admission takes one with the blocks, preemption and finishing give it
+back.
 """
 
 from collections import deque
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.sequence import Sequence, SequenceStatus
+from serving.engine.state_slots import StateSlots
 
 
 @dataclass
@@ -31,9 +34,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        state_slots: StateSlots | None = None,
     ) -> None:
         self.blocks = block_manager
+        self.state_slots = state_slots  # a hybrid model's; None for the others
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -80,12 +88,15 @@ class Scheduler:
             if leader is not None and not leader.is_finished and not leader.prompt_done:
                 blocked.append(seq)  # wait to share the leader's prompt blocks
                 continue
+            if self.state_slots is not None and not self.state_slots.allocate(seq):
+                self.waiting.appendleft(seq)
+                break
             seq.prefill_leader = None
             if not seq.block_table:
                 self.blocks.match_prefix(seq)
             n = min(len(seq) - seq.num_computed_tokens, budget)
             if not self.blocks.allocate_slots(seq, n):
-                self.blocks.free_sequence(seq)
+                self._release(seq)
                 self.waiting.appendleft(seq)
                 break
             seq.status = SequenceStatus.RUNNING
@@ -95,7 +106,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(blocked))
 
     def _preempt(self, seq: Sequence) -> None:
-        self.blocks.free_sequence(seq)
+        self._release(seq)
         seq.clear_drafts()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -108,4 +119,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Its KV blocks, and its state slot if it holds one."""
         self.blocks.free_sequence(seq)
+        if self.state_slots is not None:
+            self.state_slots.release(seq)
