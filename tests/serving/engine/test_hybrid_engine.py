@@ -5,7 +5,6 @@ batching, preemption and n > 1; the paged forward's hidden states against one fo
 fp32 throughout, so greedy tokens must agree exactly.
 """
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,11 @@ from serving.model.hybrid.slots import state_bytes_per_slot
 from serving.model.paged import TokenSpan
 from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig
-from tests import REPO
-from tests.serving.model.hybrid_tiny import VOCAB, write_hybrid_checkpoint
+from tests.serving.model.hybrid_tiny import (
+    VOCAB,
+    write_hybrid_checkpoint,
+    write_served_hybrid_checkpoint,
+)
 
 pytest.importorskip("transformers")  # writes the checkpoints
 
@@ -174,9 +176,7 @@ def test_paged_forward_equals_one_forward(checkpoint, reference):
 
 
 def test_from_checkpoint_serves_a_hybrid_checkpoint(tmp_path):
-    write_hybrid_checkpoint(tmp_path, vocab_size=2746)  # the shipped tokenizer's vocabulary
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(REPO / "models" / "demo-full" / name, tmp_path / name)
+    write_served_hybrid_checkpoint(tmp_path)
     engine = LLMEngine.from_checkpoint(tmp_path, EngineConfig(kv_cache_bytes=1 << 20))
     assert engine.state_slots is not None and not engine.blocks.enable_prefix_caching
     [[out]] = engine.generate([engine.tokenizer.encode("hello")], GREEDY)

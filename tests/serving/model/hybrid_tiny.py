@@ -1,9 +1,16 @@
 """The tiny random Qwen3-Next that the hybrid tests share: transformers builds and saves it,
 so every test starts from a checkpoint transformers wrote."""
 
+import shutil
 from pathlib import Path
 
 import torch
+
+from tests import REPO
+
+# The shipped tokenizer's files, and the vocabulary a model needs to read every id it encodes.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+TOKENIZER_VOCAB = 2746
 
 VOCAB = 97
 TINY = dict(
@@ -44,3 +51,10 @@ def write_hybrid_checkpoint(path: Path, **over: object) -> torch.nn.Module:
     model = hf_hybrid_model(**over)
     model.save_pretrained(path)
     return model
+
+
+def write_served_hybrid_checkpoint(path: Path) -> None:
+    """A hybrid checkpoint with the shipped tokenizer beside it, as `tierserve engine` serves."""
+    write_hybrid_checkpoint(path, vocab_size=TOKENIZER_VOCAB)
+    for name in TOKENIZER_FILES:
+        shutil.copy(REPO / "models" / "demo-full" / name, path / name)
