@@ -216,6 +216,13 @@ class LLMEngine:
                 request_id, list(prompt_token_ids), params, index=i, device=self.runner.device
             )
             seq.prefill_leader = seqs[0] if seqs else None
+            if (
+                i == 0
+                and params.n > 1
+                and self.state_slots is not None
+                and len(prompt_token_ids) > 1
+            ):
+                seq.fork_at = len(prompt_token_ids) - 1  # the samples fork here (`Scheduler`)
             if params.json_object:
                 vocab = json_vocabulary(self.tokenizer.raw)
                 seq.constraint = JsonObjectConstraint(vocab, self.eos_token_ids)
@@ -266,6 +273,8 @@ class LLMEngine:
         start = time.monotonic()
         for seq, _ in plan.scheduled:
             seq.scheduled_time = seq.scheduled_time or start  # queue time ends here
+        for fork in plan.forks:  # only a hybrid model's scheduler forks
+            self.runner.fork(fork.parent_slot, fork.child_slot, fork.block_copies)
         step = self.runner.run(plan.scheduled)
         now = time.monotonic()
         verified = {s.seq.seq_id for s in step.sampled if s.num_draft_tokens}

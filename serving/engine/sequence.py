@@ -36,6 +36,9 @@ class Sequence:
     device: torch.device = CPU  # the engine's: a seeded request's generator draws there
     # A sibling whose prompt blocks this sequence waits for, to share them (n > 1).
     prefill_leader: "Sequence | None" = None
+    # A hybrid model's leader of n > 1 computes its prompt up to here (the last token left),
+    # where its siblings fork its cache and state (`Scheduler`).
+    fork_at: int | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0

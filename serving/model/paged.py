@@ -66,7 +66,7 @@ def prepare_spans(
     tables = lens = None
     if nd:
         tables = padded_tables([s.block_table for s in spans[:nd]], device)
-        lens = _long(device, [p + 1 for p in positions])
+        lens = long_tensor(device, [p + 1 for p in positions])
     prefills: list[PrefillChunk] = []
     short: list[tuple[TokenSpan, int]] = []
     for s in spans[nd:]:
@@ -74,12 +74,14 @@ def prepare_spans(
         if n <= SHORT_CHUNK:
             short.append((s, len(ids)))
         else:
-            prefills.append(PrefillChunk(len(ids), n, s.start + n, _long(device, s.block_table)))
+            prefills.append(
+                PrefillChunk(len(ids), n, s.start + n, long_tensor(device, s.block_table))
+            )
         ids.extend(s.token_ids)
         positions.extend(range(s.start, s.start + n))
         slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(s.start, s.start + n))
     meta = AttentionMetadata(
-        slot_mapping=_long(device, slots),
+        slot_mapping=long_tensor(device, slots),
         num_decodes=nd,
         decode_block_tables=tables,
         decode_context_lens=lens,
@@ -96,10 +98,11 @@ def prepare_spans(
             device,
         )
     meta.prepare(bs, dtype, device)
-    return _long(device, ids), _long(device, positions), meta
+    return long_tensor(device, ids), long_tensor(device, positions), meta
 
 
-def _long(device: torch.device, values: list) -> torch.Tensor:
+def long_tensor(device: torch.device, values: list) -> torch.Tensor:
+    """Host ints as one long tensor on the device: a step's ids, positions and tables."""
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
@@ -161,7 +164,7 @@ class PagedModel:
         return prepare_spans(spans, self.block_size, self.dtype, self.device)
 
     def _tensor(self, values: list) -> torch.Tensor:
-        return _long(self.device, values)
+        return long_tensor(self.device, values)
 
     @torch.inference_mode()
     def forward(self, spans: list[TokenSpan]) -> torch.Tensor:

@@ -15,8 +15,13 @@ from serving.model.attention import AttentionMetadata
 from serving.model.hybrid.batch import slot_groups
 from serving.model.hybrid.config import FULL, HybridConfig
 from serving.model.hybrid.model import HybridCausalLM
-from serving.model.hybrid.slots import attach_slots, reset_slots
-from serving.model.paged import TokenSpan, layer_kv_bytes_per_block, prepare_spans
+from serving.model.hybrid.slots import attach_slots, copy_slot, reset_slots
+from serving.model.paged import (
+    TokenSpan,
+    layer_kv_bytes_per_block,
+    long_tensor,
+    prepare_spans,
+)
 
 
 def hybrid_kv_bytes_per_block(config: HybridConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -54,13 +59,26 @@ class PagedHybridModel:
         # Built at the start rather than in the first request's step (`PagedModel` does too).
         ops.has_paged_decode_attention(self.device)
 
+    def fork(self, parent_slot: int, child_slot: int, block_copies: list[tuple[int, int]]) -> None:
+        """Give a sample forking its request's prompt (n > 1) the parent's state and the parent's
+        partly filled KV blocks ((source, destination) pairs); the full ones it shares."""
+        copy_slot(self.model, parent_slot, child_slot)
+        if block_copies:
+            source, target = (
+                self._tensor(list(blocks)) for blocks in zip(*block_copies, strict=True)
+            )
+            for layer in self.model.layers:
+                if not layer.is_linear:
+                    for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
+                        cache.index_copy_(0, target, cache.index_select(0, source))
+
     def prepare(
         self, spans: list[TokenSpan]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         return prepare_spans(spans, self.block_size, self.dtype, self.device)
 
     def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return long_tensor(self.device, values)
 
     @torch.inference_mode()
     def forward(self, spans: list[TokenSpan]) -> torch.Tensor:

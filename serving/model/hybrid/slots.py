@@ -4,7 +4,8 @@ A DeltaNet layer remembers a sequence in a state of fixed size (the convolution'
 and the delta rule's matrix per value head), not in per-token keys and values, so it is not
 paged: each running sequence holds one slot, the same index in every DeltaNet layer, from
 admission to finish, abort or preemption. The engine's scheduler hands the indices out
-(`serving/engine/state_slots.py`); this module owns the tensors and how a step reads them.
+(`serving/engine/state_slots.py`); this module owns the tensors (each DeltaNet layer's
+`conv_slots` and `recurrent_slots`, which `GatedDeltaNet.forward_slots` reads and writes).
 
 A slot is zeroed when a span starts its sequence (position 0), so a preempted sequence is
 recomputed from the start as recompute preemption does for the KV cache.
@@ -12,7 +13,7 @@ recomputed from the start as recompute preemption does for the KV cache.
 
 import torch
 
-from serving.model.hybrid.config import HybridConfig
+from serving.model.hybrid.config import LINEAR, HybridConfig
 from serving.model.hybrid.deltanet import GatedDeltaNet
 from serving.model.hybrid.model import HybridCausalLM
 
@@ -27,7 +28,7 @@ def state_bytes_per_slot(config: HybridConfig, dtype: torch.dtype) -> int:
         * config.linear_value_head_dim
         * torch.float32.itemsize
     )
-    layers = sum(1 for layer in config.layer_types if layer != "full_attention")
+    layers = sum(1 for kind in config.layer_types if kind == LINEAR)
     return (conv + recurrent) * layers
 
 

@@ -131,13 +131,31 @@ def test_state_slots_are_taken_and_given_back():
     assert seqs[0].state_slot is None and slots.allocate(seqs[2])
 
 
-def test_n_samples_each_run_as_their_own_request(checkpoint, reference):
+@pytest.mark.parametrize(
+    ("length", "config"),
+    [
+        (30, {}),  # forks at 29: one full block shared, the partly filled one copied
+        (33, {"max_num_batched_tokens": 8}),  # at 32, block-aligned: nothing copied; chunked
+        (30, {"max_num_seqs": 2}),  # the third sample finds no slot: it computes alone later
+    ],
+)
+def test_n_samples_fork_the_prompt(checkpoint, reference, monkeypatch, length, config):
     """n = 3 greedy samples are the greedy tokens; seeded samples i equal requests seeded
-    seed + i: each sample continues the prompt's state in a slot of its own."""
-    [prompt] = _prompts([30], seed=4)
-    engine = _engine(checkpoint)
+    seed + i. The samples fork the first one's prompt state unless no slot is free."""
+    forks = []
+    original = PagedHybridModel.fork
+
+    def count(self, parent_slot, child_slot, block_copies):
+        forks.append(len(block_copies))
+        original(self, parent_slot, child_slot, block_copies)
+
+    monkeypatch.setattr(PagedHybridModel, "fork", count)
+    [prompt] = _prompts([length], seed=4)
+    engine = _engine(checkpoint, **config)
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=3)
     assert _tokens(engine, [prompt], greedy) == [[_greedy(reference, prompt, 6)] * 3]
+    copies = 0 if length % 16 == 1 else 1
+    assert forks == [copies] * (1 if config.get("max_num_seqs") == 2 else 2)
     sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True, n=2)
     [together] = _tokens(engine, [prompt], sampled)
     alone = [
