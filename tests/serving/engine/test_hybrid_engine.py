@@ -81,6 +81,28 @@ def test_greedy_equals_full_forward_alone_and_batched(checkpoint, reference):
     assert sorted(engine.state_slots.free) == list(range(engine.state_slots.num_slots))
 
 
+def test_requests_joining_a_running_batch(checkpoint, reference):
+    """Continuous batching: requests arrive while others decode (and one is aborted midway,
+    giving its slot to a later one); each gets the tokens it gets alone."""
+    prompts = _prompts([20, 50, 7, 33], seed=6)
+    engine = _engine(checkpoint, max_num_seqs=3, max_num_batched_tokens=32)
+    got: dict[str, list[int]] = {}
+    arrivals = {0: [0], 2: [1, 2], 5: [3]}  # step -> prompts added before it
+    for step in range(200):
+        for i in arrivals.get(step, []):
+            engine.add_request(f"r{i}", prompts[i], GREEDY)
+        if step == 3:
+            assert engine.abort("r0")
+        for out in engine.step():
+            for delta in out.outputs:
+                got.setdefault(out.request_id, []).extend(delta.token_ids)
+        if step > max(arrivals) and not engine.has_unfinished():
+            break
+    for i in (1, 2, 3):
+        assert got[f"r{i}"] == _greedy(reference, prompts[i], GREEDY.max_tokens)
+    assert sorted(engine.state_slots.free) == [0, 1, 2]
+
+
 def test_chunked_prefill_equals_unchunked(checkpoint, reference):
     prompts = _prompts(seed=1)
     whole = _tokens(_engine(checkpoint), prompts, GREEDY)
