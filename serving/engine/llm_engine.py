@@ -27,7 +27,8 @@ from serving.model.device import kv_cache_budget, resolve_device
 from serving.model.dtype import resolve_kv_cache_dtype
 from serving.model.host_memory import retain_freed_memory
 from serving.model.host_threads import TorchThreads
-from serving.model.hybrid.checkpoint import is_hybrid_checkpoint, load_hybrid_checkpoint
+from serving.model.hybrid.checkpoint import load_hybrid_checkpoint
+from serving.model.hybrid.config import is_hybrid_checkpoint
 from serving.model.hybrid.model import HybridCausalLM
 from serving.model.paged import kv_bytes_per_block
 from serving.model.tokenizer import Tokenizer

@@ -13,21 +13,13 @@ from pathlib import Path
 import torch
 
 from serving.model.checkpoint import read_safetensors
-from serving.model.config import CheckpointError, read_config_json
+from serving.model.config import CheckpointError
 from serving.model.dtype import resolve_dtype
 from serving.model.hf_state_dict import from_hf_state_dict
-from serving.model.hybrid.config import ARCHITECTURE, MODEL_TYPE, HybridConfig
+from serving.model.hybrid.config import HybridConfig
 from serving.model.hybrid.model import HybridCausalLM
 
 CPU = torch.device("cpu")
-
-
-def is_hybrid_checkpoint(path: str | Path) -> bool:
-    """Whether a checkpoint directory holds a Qwen3-Next model (by its config.json), which the
-    engine loads with `load_hybrid_checkpoint` rather than as the MoE family."""
-    raw = read_config_json(Path(path) / "config.json")
-    archs = raw.get("architectures") or []
-    return (archs[0] if archs else None) == ARCHITECTURE or raw.get("model_type") == MODEL_TYPE
 
 
 def load_hybrid_checkpoint(

@@ -14,6 +14,7 @@ from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.engine.scheduler import Scheduler
 from serving.engine.sequence import Sequence
 from serving.engine.state_slots import StateSlots
+from serving.model.checkpoint import check_checkpoint
 from serving.model.hybrid.checkpoint import load_hybrid_checkpoint
 from serving.model.hybrid.config import HybridConfig
 from serving.model.hybrid.paged import PagedHybridModel, hybrid_kv_bytes_per_block
@@ -217,6 +218,7 @@ def test_paged_forward_equals_one_forward(checkpoint, reference):
 
 def test_from_checkpoint_serves_a_hybrid_checkpoint(tmp_path):
     write_served_hybrid_checkpoint(tmp_path)
+    assert check_checkpoint(tmp_path) == "float32"  # what `tierserve serve` checks of a tier
     engine = LLMEngine.from_checkpoint(tmp_path, EngineConfig(kv_cache_bytes=1 << 20))
     assert engine.state_slots is not None and not engine.blocks.enable_prefix_caching
     [[out]] = engine.generate([engine.tokenizer.encode("hello")], GREEDY)
