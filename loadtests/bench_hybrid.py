@@ -9,7 +9,8 @@ full-attention layer, as Qwen3-Next) and the same shape with every layer full at
   the engine's formulas checked against them; and by those formulas for Qwen3-Next-80B-A3B's
   published shape in bf16.
 - Decode: one sequence's engine step (forward and sampling, eager, as the engine runs the
-  hybrid family) at 1k and at `--context` tokens of context, median of `--repeats`.
+  hybrid family) at 1k and at `--context` tokens of context, taking turns, median of
+  `--repeats` each.
 
 The context is not prefilled: its blocks get random keys and values and its slot a random
 state, then the sequence decodes. A decode step reads the whole context whatever it holds, so
@@ -81,8 +82,10 @@ def build_engine(cfg: HybridConfig, context: int) -> LLMEngine:
     torch.manual_seed(0)
     model = HybridCausalLM(cfg).eval()
     kv = hybrid_kv_bytes_per_block(cfg, BLOCK, torch.float32)
-    budget = (-(-context // BLOCK) + 2) * kv + state_bytes_per_slot(cfg, torch.float32)
-    return LLMEngine(model, EngineConfig(max_num_seqs=1, kv_cache_bytes=budget), eos_token_ids=[])
+    # Two sequences: the long context's and the short one's, each with its slot.
+    blocks = -(-(context + 1) // BLOCK) + -(-(SHORT + 1) // BLOCK)
+    budget = blocks * kv + 2 * state_bytes_per_slot(cfg, torch.float32)
+    return LLMEngine(model, EngineConfig(max_num_seqs=2, kv_cache_bytes=budget), eos_token_ids=[])
 
 
 def allocated_bytes(engine: LLMEngine, tokens: int) -> int:
@@ -99,15 +102,13 @@ def allocated_bytes(engine: LLMEngine, tokens: int) -> int:
     return -(-tokens // BLOCK) * per_block + state // engine.state_slots.num_slots
 
 
-def decode_seconds(engine: LLMEngine, context: int, repeats: int) -> float:
-    """Median engine step of one sequence decoding its token at position `context`."""
-    g = torch.Generator().manual_seed(1)
-    vocab = engine.model.config.vocab_size
-    tokens = torch.randint(0, vocab, (context + 1,), generator=g).tolist()
-    seq = Sequence("bench", tokens, SamplingParams(max_tokens=1, temperature=0))
+def context_sequence(engine: LLMEngine, context: int, g: torch.Generator) -> Sequence:
+    """A sequence about to decode its token at position `context`, its context's blocks and
+    its slot filled with random values as if prefilled."""
+    tokens = torch.randint(0, engine.model.config.vocab_size, (context + 1,), generator=g)
+    seq = Sequence(f"ctx{context}", tokens.tolist(), SamplingParams(max_tokens=1, temperature=0))
     assert engine.state_slots.allocate(seq) and engine.blocks.allocate_slots(seq, context + 1)
-    seq.num_computed_tokens = context
-    seq.num_prompt_tokens = context
+    seq.num_computed_tokens = seq.num_prompt_tokens = context
     with torch.no_grad():
         for layer in engine.model.layers:
             if layer.is_linear:
@@ -116,15 +117,22 @@ def decode_seconds(engine: LLMEngine, context: int, repeats: int) -> float:
             else:
                 for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
                     cache[seq.block_table].normal_(generator=g)
-    times = []
+    return seq
+
+
+def decode_seconds(engine: LLMEngine, contexts: list[int], repeats: int) -> list[float]:
+    """Median engine step of one sequence decoding at each context length. The lengths take
+    turns step by step, so a slow period of a shared machine hits them alike."""
+    g = torch.Generator().manual_seed(1)
+    seqs = [context_sequence(engine, c, g) for c in contexts]
+    times: list[list[float]] = [[] for _ in contexts]
     for i in range(repeats + 2):
-        start = time.perf_counter()
-        engine.runner.run([(seq, 1)])
-        if i >= 2:  # two warm-up steps
-            times.append(time.perf_counter() - start)
-    engine.state_slots.release(seq)
-    engine.blocks.free_sequence(seq)
-    return statistics.median(times)
+        for seq, t in zip(seqs, times, strict=True):
+            start = time.perf_counter()
+            engine.runner.run([(seq, 1)])
+            if i >= 2:  # two warm-up rounds
+                t.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -158,8 +166,7 @@ def main() -> None:
     print(f"\nDecode step, one sequence, {args.threads} threads (median of {args.repeats})")
     print(f"{'model':<12} {f'{SHORT} ctx':>10} {f'{ctx} ctx':>10} {'ratio':>6}")
     for hybrid, name in ((True, "hybrid"), (False, "full attn")):
-        short = decode_seconds(engines[hybrid], SHORT, args.repeats)
-        long = decode_seconds(engines[hybrid], ctx, args.repeats)
+        short, long = decode_seconds(engines[hybrid], [SHORT, ctx], args.repeats)
         print(f"{name:<12} {short * 1e3:>8.1f}ms {long * 1e3:>8.1f}ms {long / short:>5.2f}x")
 
 

@@ -12,6 +12,7 @@ import torch
 
 from kernels import ops
 from serving.model.attention import AttentionMetadata
+from serving.model.causal_lm import pack_for_inference
 from serving.model.hybrid.batch import slot_groups
 from serving.model.hybrid.config import FULL, HybridConfig
 from serving.model.hybrid.model import HybridCausalLM
@@ -31,8 +32,9 @@ def hybrid_kv_bytes_per_block(config: HybridConfig, block_size: int, dtype: torc
 
 
 class PagedHybridModel:
-    """Takes a `HybridCausalLM` over for the engine: KV cache tensors on its full-attention
-    layers, `num_slots` state slots on its DeltaNet layers."""
+    """Takes a `HybridCausalLM` over for inference: its weights are packed and frozen
+    (`pack_for_inference`), KV cache tensors go on its full-attention layers and `num_slots`
+    state slots on its DeltaNet layers."""
 
     graphs = None  # no compiled decode steps: the engine's warm-up has nothing to wait for
 
@@ -56,6 +58,7 @@ class PagedHybridModel:
                 layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
                 layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         attach_slots(model, num_slots)
+        pack_for_inference(model)  # as the MoE family's eager steps read their weights
         # Built at the start rather than in the first request's step (`PagedModel` does too).
         ops.has_paged_decode_attention(self.device)
 
