@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from serving.engine.block_manager import BlockManager
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.engine.scheduler import Scheduler
 from serving.engine.sequence import Sequence
@@ -152,6 +153,22 @@ def test_state_slots_are_taken_and_given_back():
     assert slots.allocate(seqs[0])  # already holds one: keeps it
     slots.release(seqs[0])
     assert seqs[0].state_slot is None and slots.allocate(seqs[2])
+
+
+def test_admission_needs_a_slot_as_well_as_blocks():
+    """Blocks and sequence places to spare, one slot: the second waits until the first
+    finishes; a preempted sequence gives its slot back."""
+    scheduler = Scheduler(BlockManager(64, 16, False), 4, 512, StateSlots(1))
+    first, second = (Sequence(f"r{i}", [1, 2, 3], SamplingParams()) for i in range(2))
+    scheduler.add(first)
+    scheduler.add(second)
+    assert [seq for seq, _ in scheduler.schedule().scheduled] == [first]
+    assert second.state_slot is None and list(scheduler.waiting) == [second]
+    scheduler.finish(first)
+    assert [seq for seq, _ in scheduler.schedule().scheduled] == [second]
+    scheduler.running.remove(second)
+    scheduler._preempt(second)
+    assert second.state_slot is None and scheduler.state_slots.free == [0]
 
 
 @pytest.mark.parametrize(
