@@ -18,6 +18,7 @@ its cost depends on the length alone, and prefilling 32k tokens of the full-atte
 eagerly on a small CPU would take most of the run.
 
     python loadtests/bench_hybrid.py [--context 32768] [--repeats 10] [--threads 2]
+        [--shape qwen3-next-width|half-width]
 """
 
 import argparse
@@ -36,34 +37,43 @@ from serving.sampling.params import SamplingParams
 
 BLOCK = 16
 SHORT = 1024
-# The benchmark's shape: Qwen3-Next's head layout at a tenth of its width, dense MLPs.
-SHAPE = dict(
-    vocab_size=4096,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=128,
-    rope_theta=10000.0,
-    partial_rotary_factor=0.25,
-    max_position_embeddings=65536,
-    linear_num_key_heads=8,
-    linear_num_value_heads=16,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-)
 # Qwen3-Next-80B-A3B's config.json (bf16): the layout that matters for cache bytes.
-QWEN3_NEXT_80B = SHAPE | dict(
+QWEN3_NEXT_80B = dict(
+    vocab_size=151936,
     hidden_size=2048,
+    intermediate_size=5120,
     num_hidden_layers=48,
     num_attention_heads=16,
     num_key_value_heads=2,
     head_dim=256,
+    rope_theta=10000000.0,
+    partial_rotary_factor=0.25,
+    max_position_embeddings=65536,
     linear_num_key_heads=16,
     linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
 )
+# The shapes timed (random weights, fp32, dense MLPs): Qwen3-Next's widths in 8 of its 48
+# layers, each MLP as large as the experts a token runs there (10 routed and the shared one,
+# 512 wide each), so weights and cache bytes stand in its proportions; and a half-width
+# shape that runs twice as fast.
+SHAPES = {
+    "qwen3-next-width": QWEN3_NEXT_80B
+    | dict(vocab_size=4096, num_hidden_layers=8, intermediate_size=11 * 512),
+    "half-width": QWEN3_NEXT_80B
+    | dict(
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        head_dim=128,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+    ),
+}
 
 
 def config(shape: dict, hybrid: bool) -> HybridConfig:
@@ -140,34 +150,38 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-next-width")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ctx = args.context
 
     print(f"KV cache + DeltaNet state per sequence at {ctx} tokens")
-    print(f"{'model':<34} {'hybrid':>10} {'full attn':>10} {'ratio':>6}")
+    print(f"{'model':<44} {'hybrid':>10} {'full attn':>10} {'ratio':>6}")
     bf16 = torch.bfloat16
     big = [formula_bytes(config(QWEN3_NEXT_80B, h), ctx, bf16) for h in (True, False)]
-    print(f"{'Qwen3-Next-80B-A3B shape, bf16':<34} {_mib(big[0])} {_mib(big[1])} "
+    print(f"{'Qwen3-Next-80B-A3B shape, bf16':<44} {_mib(big[0])} {_mib(big[1])} "
           f"{big[0] / big[1]:>5.2f}x")  # fmt: skip
 
     engines, measured = {}, []
     for hybrid in (True, False):
-        cfg = config(SHAPE, hybrid)
+        cfg = config(SHAPES[args.shape], hybrid)
         engines[hybrid] = engine = build_engine(cfg, ctx)
         measured.append(allocated_bytes(engine, ctx))
         if measured[-1] != formula_bytes(cfg, ctx, torch.float32):
             raise AssertionError("the engine allocates other than its formulas say")
     params = [sum(p.numel() for p in engines[h].model.parameters()) / 1e6 for h in (True, False)]
-    label = f"bench shape, fp32 ({params[0]:.0f}M / {params[1]:.0f}M params)"
-    print(f"{label:<34} {_mib(measured[0])} {_mib(measured[1])} "
+    label = f"{args.shape}, fp32 ({params[0]:.0f}M / {params[1]:.0f}M params)"
+    print(f"{label:<44} {_mib(measured[0])} {_mib(measured[1])} "
           f"{measured[0] / measured[1]:>5.2f}x")  # fmt: skip
 
     print(f"\nDecode step, one sequence, {args.threads} threads (median of {args.repeats})")
-    print(f"{'model':<12} {f'{SHORT} ctx':>10} {f'{ctx} ctx':>10} {'ratio':>6}")
+    print(f"{'model':<12} {f'{SHORT} ctx':>10} {f'{ctx} ctx':>10} {'ratio':>6} {'added':>9}")
     for hybrid, name in ((True, "hybrid"), (False, "full attn")):
         short, long = decode_seconds(engines[hybrid], [SHORT, ctx], args.repeats)
-        print(f"{name:<12} {short * 1e3:>8.1f}ms {long * 1e3:>8.1f}ms {long / short:>5.2f}x")
+        print(
+            f"{name:<12} {short * 1e3:>8.1f}ms {long * 1e3:>8.1f}ms {long / short:>5.2f}x "
+            f"{(long - short) * 1e3:>7.1f}ms"
+        )
 
 
 def _mib(n: int) -> str:
