@@ -69,6 +69,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(500, "Internal server error.", type="server_error").response()
 
 
+def warmup_body(progress: Progress) -> dict[str, int]:
+    return {"graphs_compiled": progress.compiled, "graphs_wanted": progress.wanted}
+
+
 def warming_response(progress: Progress) -> JSONResponse:
     """A 503 in OpenAI's error shape, with the warm-up's progress beside the error."""
     error = APIError(
@@ -78,8 +82,7 @@ def warming_response(progress: Progress) -> JSONResponse:
         code="warming_up",
         headers={"Retry-After": "1"},
     )
-    progress_body = {"graphs_compiled": progress.compiled, "graphs_wanted": progress.wanted}
-    body = error.body.model_dump() | {"status": "warming_up", "warmup": progress_body}
+    body = error.body.model_dump() | {"status": "warming_up", "warmup": warmup_body(progress)}
     return JSONResponse(body, 503, headers=error.headers)
 
 
@@ -118,6 +121,8 @@ def build_app(
         progress = engine.engine.warmup()
         if not progress.ready:
             return warming_response(progress)
+        if not progress.done:  # the larger graphs still compile apart
+            return JSONResponse({"status": "ok", "warmup": warmup_body(progress)})
         return JSONResponse({"status": "ok"})
 
     @app.post("/tokenize")

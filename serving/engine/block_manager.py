@@ -79,14 +79,37 @@ class BlockManager:
         if need > len(self.free):
             return False
         for _ in range(need):
-            block, _ = self.free.popitem(last=False)
-            old = self.hash_of[block]
-            if old is not None:  # evict its cached contents
-                del self.cached[old]
-                self.hash_of[block] = None
-            self.ref_count[block] = 1
-            seq.block_table.append(block)
+            seq.block_table.append(self._take_free())
         return True
+
+    def _take_free(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        old = self.hash_of[block]
+        if old is not None:  # evict its cached contents
+            del self.cached[old]
+            self.hash_of[block] = None
+        self.ref_count[block] = 1
+        return block
+
+    def fork(
+        self, parent: Sequence, child: Sequence, num_tokens: int
+    ) -> list[tuple[int, int]] | None:
+        """Give a child with no blocks the parent's first `num_tokens` computed tokens: their
+        full blocks shared, the partly filled one copied (the two write different tokens there
+        next). Returns the (source, destination) blocks to copy; None if none is free."""
+        assert not child.block_table
+        full, partial = divmod(num_tokens, self.block_size)
+        if partial and not self.free:
+            return None
+        for block in parent.block_table[:full]:
+            self._acquire(block)
+            child.block_table.append(block)
+        copies = []
+        if partial:
+            copies.append((parent.block_table[full], self._take_free()))
+            child.block_table.append(copies[-1][1])
+        child.num_computed_tokens = num_tokens
+        return copies
 
     def register_computed(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed full blocks in the prefix cache."""

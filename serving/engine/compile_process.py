@@ -21,17 +21,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the engine starts this process: it imports this module
-    from serving.engine.llm_engine import EngineConfig
+from serving.engine.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 1.0
 
 
-def spawn(checkpoint: Path, config: "EngineConfig") -> subprocess.Popen:
+def spawn(checkpoint: Path, config: EngineConfig) -> subprocess.Popen:
     """Start the process for an engine of `checkpoint` built with `config`; it compiles in
     its own process whatever the server would, and exits 0 once every graph is stored."""
     spec = (str(checkpoint), dataclasses.replace(config, compile_graphs_apart=False), os.getpid())

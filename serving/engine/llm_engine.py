@@ -12,11 +12,14 @@ import torch
 from serving.engine import compile_process, cuda_graphs
 from serving.engine.block_manager import BlockManager
 from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.engine_config import CPU_KV_CACHE_BYTES, EngineConfig
+from serving.engine.hybrid_setup import check_num_blocks, hybrid_parts
 from serving.engine.json_constraint import JsonObjectConstraint
 from serving.engine.model_runner import ModelRunner, SampledTokens
 from serving.engine.outputs import RequestOutput, SequenceOutput
 from serving.engine.scheduler import Scheduler
 from serving.engine.sequence import Sequence
+from serving.engine.state_slots import StateSlots
 from serving.engine.token_vocabulary import json_vocabulary
 from serving.engine.tool_constraint import OptionalToolCallConstraint, ToolCallConstraint
 from serving.model.causal_lm import CausalLM
@@ -27,6 +30,9 @@ from serving.model.device import kv_cache_budget, resolve_device
 from serving.model.dtype import resolve_kv_cache_dtype
 from serving.model.host_memory import retain_freed_memory
 from serving.model.host_threads import TorchThreads
+from serving.model.hybrid.checkpoint import load_hybrid_checkpoint
+from serving.model.hybrid.config import is_hybrid_checkpoint
+from serving.model.hybrid.model import HybridCausalLM
 from serving.model.paged import kv_bytes_per_block
 from serving.model.tokenizer import Tokenizer
 from serving.sampling.params import SamplingParams, TokenLogprob
@@ -38,36 +44,9 @@ from speculative.ngram import NgramProposer
 from speculative.proposer import Proposer
 from speculative.speculator import Speculator
 
-CPU_KV_CACHE_BYTES = 256 << 20
-
 
 class EngineInputError(ValueError):
     """A request the engine cannot run as given (the server answers 400)."""
-
-
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    # None: CPU_KV_CACHE_BYTES on a CPU; on a GPU, what gpu_memory_utilization leaves.
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9  # vLLM's: the GPU's share this engine may use
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    speculative: SpeculativeConfig | None = None
-    dtype: str = "auto"  # what `from_checkpoint` loads the weights in (`serving/model/dtype.py`)
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype
-    device: str = "auto"  # where `from_checkpoint` loads the model; the engine runs there
-    # vLLM's flag: no compiled decode steps on a CPU (`serving/model/decode_graphs.py`), no
-    # CUDA graphs on a GPU (`serving/engine/cuda_graphs.py`). Eager here, so tests, training
-    # rollouts and scripts start at once; `tierserve engine` and `generate` and gateway tiers
-    # capture unless given --enforce-eager, as vLLM does.
-    enforce_eager: bool = True
-    # A server's decode graphs past the one-row graph compile in a process of their own
-    # (`serving/engine/compile_process.py`), so it is ready, and serves undisturbed, sooner;
-    # only an engine made `from_checkpoint` can start one.
-    compile_graphs_apart: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,7 +73,7 @@ class _Request:
 class LLMEngine:
     def __init__(
         self,
-        model: CausalLM,
+        model: CausalLM | HybridCausalLM,
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
         eos_token_ids: list[int] | None = None,
@@ -120,31 +99,40 @@ class LLMEngine:
         if weight.device.type == "cpu":
             retain_freed_memory()
         self.threads = TorchThreads()  # this thread's count, for the thread that steps
-        per_block = kv_bytes_per_block(model.config, config.block_size, kv_dtype)
-        if config.speculative and config.speculative.method == "draft":
-            # The draft model keeps as many blocks as the target (`_proposer`): one budget.
-            draft = ModelConfig.from_file(Path(config.speculative.model) / "config.json")
-            per_block += kv_bytes_per_block(draft, config.block_size, weight.dtype)
-        num_blocks = budget // per_block
-        num_blocks -= graphs  # the spare block of CUDA graphs' padded rows (below)
-        if num_blocks < 1:
-            raise ValueError(f"a KV cache budget of {budget} bytes is too small for one block")
+        eos = sorted(self.eos_token_ids)
+        self.state_slots: StateSlots | None = None
+        if isinstance(model, HybridCausalLM):
+            graphs = False
+            self.runner, self.blocks, self.state_slots = hybrid_parts(
+                model, config, budget, kv_dtype, eos
+            )
+        else:
+            per_block = kv_bytes_per_block(model.config, config.block_size, kv_dtype)
+            if config.speculative and config.speculative.method == "draft":
+                # The draft model keeps as many blocks as the target (`_proposer`): one budget.
+                draft = ModelConfig.from_file(Path(config.speculative.model) / "config.json")
+                per_block += kv_bytes_per_block(draft, config.block_size, weight.dtype)
+            # Less the spare block of CUDA graphs' padded rows (below).
+            num_blocks = check_num_blocks(budget // per_block - graphs, budget)
+            self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            self.runner = ModelRunner(
+                model,
+                num_blocks + graphs,
+                config.block_size,
+                eos,
+                kv_dtype,
+                # Compiled decode steps on a CPU; a GPU's are CUDA graphs (below).
+                None if config.enforce_eager or graphs else graph_sizes(config.max_num_seqs),
+                compile_apart,
+            )
+        num_blocks = self.blocks.num_blocks
         self.max_model_len = min(
             config.max_model_len or model.config.max_position_embeddings,
             model.config.max_position_embeddings,
             num_blocks * config.block_size,
         )
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(
-            model,
-            num_blocks + graphs,
-            config.block_size,
-            sorted(self.eos_token_ids),
-            kv_dtype,
-            # Compiled decode steps on a CPU; a GPU's are CUDA graphs (below).
-            None if config.enforce_eager or graphs else graph_sizes(config.max_num_seqs),
-            compile_apart,
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.state_slots
         )
         if graphs:  # block `num_blocks` is never handed out: padded rows write there
             self.runner.cuda_graphs = cuda_graphs.CUDAGraphs(
@@ -182,7 +170,11 @@ class LLMEngine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
         config = config or EngineConfig()
-        model = load_checkpoint(path, config.dtype, resolve_device(config.device))
+        device = resolve_device(config.device)
+        if is_hybrid_checkpoint(path):
+            model = load_hybrid_checkpoint(path, config.dtype, device)
+        else:
+            model = load_checkpoint(path, config.dtype, device)
         compile_apart = None
         if config.compile_graphs_apart:
             compile_apart = functools.partial(compile_process.spawn, Path(path), config)
@@ -253,6 +245,13 @@ class LLMEngine:
                 request_id, list(prompt_token_ids), params, index=i, device=self.runner.device
             )
             seq.prefill_leader = seqs[0] if seqs else None
+            if (
+                i == 0
+                and params.n > 1
+                and self.state_slots is not None
+                and len(prompt_token_ids) > 1
+            ):
+                seq.fork_at = len(prompt_token_ids) - 1  # the samples fork here (`Scheduler`)
             if params.json_object:
                 vocab = json_vocabulary(self.tokenizer.raw)
                 seq.constraint = JsonObjectConstraint(vocab, self.eos_token_ids)
@@ -303,6 +302,8 @@ class LLMEngine:
         start = time.monotonic()
         for seq, _ in plan.scheduled:
             seq.scheduled_time = seq.scheduled_time or start  # queue time ends here
+        for fork in plan.forks:  # only a hybrid model's scheduler forks
+            self.runner.fork(fork.parent_slot, fork.child_slot, fork.block_copies)
         step = self.runner.run(plan.scheduled)
         now = time.monotonic()
         verified = {s.seq.seq_id for s in step.sampled if s.num_draft_tokens}

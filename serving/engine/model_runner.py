@@ -11,6 +11,8 @@ import torch
 from serving.engine.cuda_graphs import CUDAGraphs
 from serving.engine.sequence import Sequence
 from serving.model.causal_lm import CausalLM
+from serving.model.hybrid.model import HybridCausalLM
+from serving.model.hybrid.paged import PagedHybridModel
 from serving.model.paged import PagedModel, TokenSpan
 from serving.sampling.logprobs import token_logprobs
 from serving.sampling.params import SamplingRow, TokenLogprob
@@ -36,23 +38,15 @@ class StepOutput:
     starts: list[int]  # position of each sequence's first token fed
 
 
-class ModelRunner(PagedModel):
-    """Runs one scheduled step: the forward pass, then sampling, draft verification and
-    prompt logprobs for each sequence that reaches its end."""
+class StepRunner:
+    """What every runner does with a step once its model's paged form computed the hidden
+    states: sampling, draft verification and prompt logprobs for each sequence that reaches
+    its end. A runner class derives from this and from a paged model (`PagedModel`,
+    `PagedHybridModel`), which gives it `forward(spans)` and `_tensor`."""
 
-    def __init__(
-        self,
-        model: CausalLM,
-        num_blocks: int,
-        block_size: int,
-        eos_token_ids: list[int],
-        kv_cache_dtype: torch.dtype | None = None,
-        graph_sizes: list[int] | None = None,
-        compile_apart: Callable[[], subprocess.Popen] | None = None,
-    ) -> None:
-        super().__init__(model, num_blocks, block_size, kv_cache_dtype, graph_sizes, compile_apart)
-        self.sampler = Sampler(model.config.vocab_size, eos_token_ids)
-        self.cuda_graphs: CUDAGraphs | None = None  # set by the engine on a GPU unless eager
+    model: CausalLM | HybridCausalLM
+    sampler: Sampler
+    cuda_graphs: CUDAGraphs | None = None  # set by the engine on a GPU unless eager
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> StepOutput:
@@ -124,10 +118,46 @@ class ModelRunner(PagedModel):
         seq.prompt_logprobs += token_logprobs(logits, targets, seq.params.prompt_logprobs or 0)
 
 
+class ModelRunner(StepRunner, PagedModel):
+    """The MoE family's (and the dense drafter's) runner."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        eos_token_ids: list[int],
+        kv_cache_dtype: torch.dtype | None = None,
+        graph_sizes: list[int] | None = None,
+        compile_apart: Callable[[], subprocess.Popen] | None = None,
+    ) -> None:
+        PagedModel.__init__(
+            self, model, num_blocks, block_size, kv_cache_dtype, graph_sizes, compile_apart
+        )
+        self.sampler = Sampler(model.config.vocab_size, eos_token_ids)
+
+
+class HybridModelRunner(StepRunner, PagedHybridModel):
+    """The hybrid family's runner: KV blocks for its full-attention layers and `num_slots`
+    DeltaNet state slots (`serving/model/hybrid/paged.py`), always eager."""
+
+    def __init__(
+        self,
+        model: HybridCausalLM,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        eos_token_ids: list[int],
+        kv_cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        PagedHybridModel.__init__(self, model, num_blocks, block_size, num_slots, kv_cache_dtype)
+        self.sampler = Sampler(model.config.vocab_size, eos_token_ids)
+
+
 def _span(seq: Sequence, n: int) -> TokenSpan:
     """The next n tokens a sequence feeds: the rest of its tokens, then its drafts."""
     p = seq.num_computed_tokens
     tokens = seq.token_ids[p : p + n]
     if len(tokens) < n:
         tokens = tokens + seq.draft_token_ids[: n - len(tokens)]
-    return TokenSpan(seq.block_table, p, tokens)
+    return TokenSpan(seq.block_table, p, tokens, seq.state_slot)

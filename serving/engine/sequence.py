@@ -36,12 +36,16 @@ class Sequence:
     device: torch.device = CPU  # the engine's: a seeded request's generator draws there
     # A sibling whose prompt blocks this sequence waits for, to share them (n > 1).
     prefill_leader: "Sequence | None" = None
+    # A hybrid model's leader of n > 1 computes its prompt up to here (the last token left),
+    # where its siblings fork its cache and state (`Scheduler`).
+    fork_at: int | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # a hybrid model's DeltaNet state slot while it runs
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)

@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from serving.model.checkpoint import check_checkpoint
-from serving.model.config import CheckpointError, ModelConfig
+from serving.model.config import CheckpointError
 from serving.model.device import DEVICE_CHOICES, UnsupportedDeviceError, resolve_device
 from serving.model.dtype import DTYPE_CHOICES, UnsupportedDtypeError, resolve_dtype
 from speculative.config import SpeculativeConfig
@@ -289,8 +289,7 @@ def check_checkpoints(config: GatewayConfig) -> None:
                 "`training/` produces: give other checkpoints with --config"
             )
         try:
-            check_checkpoint(tier_config.model)
-            saved = ModelConfig.from_file(tier_config.model / "config.json").dtype
+            saved = check_checkpoint(tier_config.model)
             device = resolve_device(tier_config.device)
             for name in (tier_config.dtype, tier_config.kv_cache_dtype):
                 resolve_dtype(name, saved, device)

@@ -129,19 +129,18 @@ class Upstream:
         return self.server_root + path
 
     async def probe(self, timeout_s: float) -> Probe:
-        """READY on a 2xx; WARMING on a 503 that carries warm-up progress (kept in
-        `warmup`); DOWN otherwise."""
+        """READY on a 2xx; WARMING on a 503 that carries warm-up progress; DOWN otherwise.
+        The progress is kept in `warmup`, also a ready tier's while its larger graphs are
+        still compiled apart."""
         try:
             response = await self.client.get(self.health_url, timeout=timeout_s)
         except httpx.HTTPError as e:
             self.last_error = f"health check: {type(e).__name__}"
             return Probe.DOWN
+        self.warmup = _warmup_of(response)
         if response.is_success:
-            self.warmup = None
             return Probe.READY
-        warmup = _warmup_of(response)
-        if warmup is not None:
-            self.warmup = warmup
+        if response.status_code == 503 and self.warmup is not None:
             return Probe.WARMING
         self.last_error = f"health check: HTTP {response.status_code}"
         return Probe.DOWN
@@ -159,7 +158,7 @@ class Upstream:
         if isinstance(self.config, SupervisedTier):
             info |= {"pid": self.pid, "standby_pid": self.standby_pid,
                      "restarts": self.restarts, "ready_s": self.ready_s}  # fmt: skip
-        if self.state == TierState.WARMING:
+        if self.warmup is not None:
             info["warmup"] = self.warmup
         if self.last_error and self.state != TierState.HEALTHY:
             info["last_error"] = self.last_error
@@ -167,8 +166,9 @@ class Upstream:
 
 
 def _warmup_of(response: httpx.Response) -> dict[str, Any] | None:
-    """The warm-up progress in a tier's 503 (`serving/api_server/api_server.py`), if any."""
-    if response.status_code != 503:
+    """The warm-up progress in a tier's /health (`serving/api_server/api_server.py`): in a 503
+    while it warms, in a 200 while graphs it is ready without still compile."""
+    if response.status_code not in (200, 503):
         return None
     try:
         body = response.json()

@@ -300,8 +300,9 @@ class CausalLM(nn.Module):
         return out
 
 
-def pack_for_inference(model: CausalLM, decoder_layers: bool = True) -> None:
-    """Lay every weight matrix out transposed in memory, logical shapes unchanged.
+def pack_for_inference(model: nn.Module, decoder_layers: bool = True) -> None:
+    """Lay every weight matrix out transposed in memory, logical shapes unchanged: of a
+    `CausalLM` or a hybrid model (`serving/model/hybrid/`), which share these modules' names.
 
     `x @ W.t()` then reads `W.t()` as a plain row-major matrix, which CPU BLAS streams
     faster at decode sizes than a transposed operand (`loadtests/bench_gemm.py`).

@@ -27,6 +27,7 @@ from serving.model.config import CheckpointError, ModelConfig
 from serving.model.device import CPU
 from serving.model.dtype import DTYPES, resolve_dtype
 from serving.model.hf_state_dict import FP4_PARTS, from_hf_state_dict, to_hf_state_dict
+from serving.model.hybrid.config import HybridConfig, is_hybrid_checkpoint
 
 MTP_FILE = Path("mtp") / "model.safetensors"
 MTP_PREFIX = "mtp."
@@ -80,14 +81,17 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         (path / MTP_FILE).unlink(missing_ok=True)
 
 
-def check_checkpoint(path: str | Path) -> None:
+def check_checkpoint(path: str | Path) -> str | None:
     """What can be checked of a checkpoint without reading its weights, as `tierserve serve`
-    does before it starts a tier: config.json, and for an FP4 checkpoint its format and the
-    shapes of its packed codes and scales (the safetensors headers) against config.json."""
+    does before it starts a tier: config.json (a hybrid model's too), and for an FP4
+    checkpoint its format and the shapes of its packed codes and scales (the safetensors
+    headers) against config.json. Returns the weights' dtype as saved (`--dtype auto`'s)."""
     path = Path(path)
+    if is_hybrid_checkpoint(path):
+        return HybridConfig.from_file(path / "config.json").dtype
     config = ModelConfig.from_file(path / "config.json")
     if config.quantization is None:
-        return
+        return config.dtype
     fmt = quantization.checkpoint_format(config.quantization)
     shapes = {}
     for f in _safetensors_files(path):
@@ -98,6 +102,7 @@ def check_checkpoint(path: str | Path) -> None:
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{f}: unreadable safetensors file: {e}") from e
     quantization.check_fp4_layout(shapes, config, fmt)
+    return config.dtype
 
 
 def load_checkpoint(

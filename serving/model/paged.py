@@ -27,13 +27,20 @@ from serving.model.attention import (
 from serving.model.causal_lm import CausalLM, pack_for_inference
 from serving.model.config import ModelConfig
 from serving.model.decode_graphs import DecodeGraphs
+from serving.model.hybrid.config import HybridConfig
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Keys and values of one block in every layer, MTP layers included."""
-    per_token = 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
     layers = config.num_hidden_layers + (config.mtp.num_layers if config.mtp else 0)
-    return per_token * block_size * layers
+    return layer_kv_bytes_per_block(config, block_size, dtype) * layers
+
+
+def layer_kv_bytes_per_block(
+    config: ModelConfig | HybridConfig, block_size: int, dtype: torch.dtype
+) -> int:
+    """Keys and values of one block in one attention layer."""
+    return 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize * block_size
 
 
 @dataclass
@@ -43,6 +50,62 @@ class TokenSpan:
     block_table: list[int]
     start: int
     token_ids: list[int]
+    state_slot: int | None = None  # a hybrid model's DeltaNet state slot (`hybrid/slots.py`)
+
+
+def prepare_spans(
+    spans: list[TokenSpan], block_size: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Flat input ids, positions and attention metadata on the model's device; single
+    tokens (decodes) first. Built from host lists, one copy to the device per tensor."""
+    bs = block_size
+    nd = 0
+    while nd < len(spans) and len(spans[nd].token_ids) == 1:
+        nd += 1
+    ids = [s.token_ids[0] for s in spans[:nd]]
+    positions = [s.start for s in spans[:nd]]
+    slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in spans[:nd]]
+    tables = lens = None
+    if nd:
+        tables = padded_tables([s.block_table for s in spans[:nd]], device)
+        lens = long_tensor(device, [p + 1 for p in positions])
+    prefills: list[PrefillChunk] = []
+    short: list[tuple[TokenSpan, int]] = []
+    for s in spans[nd:]:
+        n = len(s.token_ids)
+        if n <= SHORT_CHUNK:
+            short.append((s, len(ids)))
+        else:
+            prefills.append(
+                PrefillChunk(len(ids), n, s.start + n, long_tensor(device, s.block_table))
+            )
+        ids.extend(s.token_ids)
+        positions.extend(range(s.start, s.start + n))
+        slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(s.start, s.start + n))
+    meta = AttentionMetadata(
+        slot_mapping=long_tensor(device, slots),
+        num_decodes=nd,
+        decode_block_tables=tables,
+        decode_context_lens=lens,
+        prefills=prefills,
+    )
+    if short:
+        meta.short = ShortChunks.build(
+            [s.start for s, _ in short],
+            [len(s.token_ids) for s, _ in short],
+            [offset for _, offset in short],
+            [s.block_table for s, _ in short],
+            bs,
+            dtype,
+            device,
+        )
+    meta.prepare(bs, dtype, device)
+    return long_tensor(device, ids), long_tensor(device, positions), meta
+
+
+def long_tensor(device: torch.device, values: list) -> torch.Tensor:
+    """Host ints as one long tensor on the device: a step's ids, positions and tables."""
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def graph_rows(spans: list[TokenSpan]) -> tuple[list[int], list[int], list[list[int]]]:
@@ -115,52 +178,11 @@ class PagedModel:
     def prepare(
         self, spans: list[TokenSpan]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat input ids, positions and attention metadata on the model's device; single
-        tokens (decodes) first. Built from host lists, one copy to the device per tensor."""
-        bs = self.block_size
-        nd = 0
-        while nd < len(spans) and len(spans[nd].token_ids) == 1:
-            nd += 1
-        ids = [s.token_ids[0] for s in spans[:nd]]
-        positions = [s.start for s in spans[:nd]]
-        slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in spans[:nd]]
-        tables = lens = None
-        if nd:
-            tables = padded_tables([s.block_table for s in spans[:nd]], self.device)
-            lens = self._tensor([p + 1 for p in positions])
-        prefills: list[PrefillChunk] = []
-        short: list[tuple[TokenSpan, int]] = []
-        for s in spans[nd:]:
-            n = len(s.token_ids)
-            if n <= SHORT_CHUNK:
-                short.append((s, len(ids)))
-            else:
-                prefills.append(PrefillChunk(len(ids), n, s.start + n, self._tensor(s.block_table)))
-            ids.extend(s.token_ids)
-            positions.extend(range(s.start, s.start + n))
-            slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(s.start, s.start + n))
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decodes=nd,
-            decode_block_tables=tables,
-            decode_context_lens=lens,
-            prefills=prefills,
-        )
-        if short:
-            meta.short = ShortChunks.build(
-                [s.start for s, _ in short],
-                [len(s.token_ids) for s, _ in short],
-                [offset for _, offset in short],
-                [s.block_table for s, _ in short],
-                bs,
-                self.dtype,
-                self.device,
-            )
-        meta.prepare(bs, self.dtype, self.device)
-        return self._tensor(ids), self._tensor(positions), meta
+        """`prepare_spans` on this model's cache."""
+        return prepare_spans(spans, self.block_size, self.dtype, self.device)
 
     def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return long_tensor(self.device, values)
 
     @torch.inference_mode()
     def forward(self, spans: list[TokenSpan]) -> torch.Tensor:

@@ -1,8 +1,11 @@
-"""The layout of one call's padded batch, worked out once for every layer.
+"""The layout of one call's batch, worked out once for every layer.
 
 Rows are right-padded: each row's real tokens come first (`padding_mask` True), so a row's
 state after the call is its state after its last real token, and its new tokens take the
 positions that follow the tokens it has already seen.
+
+The engine's steps are flat token arrays instead (the paged KV cache's layout); its DeltaNet
+calls take them in `SlotGroup`s, batches without padding, so a step's decodes share one call.
 """
 
 from dataclasses import dataclass
@@ -46,3 +49,38 @@ class PaddedBatch:
         slots = torch.arange(kv_width, device=device)
         attn_mask = slots[None, None, :] <= positions[:, :, None]
         return cls(lengths, past, positions, token_mask, kv_width, attn_mask[:, None])
+
+
+@dataclass
+class SlotGroup:
+    """Tokens one DeltaNet call takes as a [rows, length] batch with no padding: the step's
+    single-token spans together, each longer span alone."""
+
+    offset: int  # the group's first token in the step's flat token array
+    rows: int
+    length: int
+    slots: torch.Tensor  # [rows] long: each row's slot
+    lengths: torch.Tensor  # [rows] long: `length` in every row
+
+
+def slot_groups(lengths: list[int], slots: list[int], device: torch.device) -> list[SlotGroup]:
+    """The groups of a step whose spans (`lengths` tokens each, single tokens first, as the
+    flat token array lays them out) hold `slots`."""
+    singles = 0
+    while singles < len(lengths) and lengths[singles] == 1:
+        singles += 1
+    groups = []
+    if singles:
+        groups.append(_group(0, singles, 1, slots[:singles], device))
+    offset = singles
+    for n, slot in zip(lengths[singles:], slots[singles:], strict=True):
+        groups.append(_group(offset, 1, n, [slot], device))
+        offset += n
+    return groups
+
+
+def _group(
+    offset: int, rows: int, length: int, slots: list[int], device: torch.device
+) -> SlotGroup:
+    lengths = torch.full((rows,), length, dtype=torch.long, device=device)
+    return SlotGroup(offset, rows, length, torch.tensor(slots, device=device), lengths)

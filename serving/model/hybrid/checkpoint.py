@@ -14,6 +14,7 @@ import torch
 
 from serving.model.checkpoint import read_safetensors
 from serving.model.config import CheckpointError
+from serving.model.dtype import resolve_dtype
 from serving.model.hf_state_dict import from_hf_state_dict
 from serving.model.hybrid.config import HybridConfig
 from serving.model.hybrid.model import HybridCausalLM
@@ -22,13 +23,16 @@ CPU = torch.device("cpu")
 
 
 def load_hybrid_checkpoint(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device = CPU
+    path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device = CPU
 ) -> HybridCausalLM:
-    """The model of a Qwen3-Next checkpoint directory, in `dtype` on `device`."""
+    """The model of a Qwen3-Next checkpoint directory, in `dtype` on `device`: a torch dtype,
+    or a `--dtype` name (`auto`: the checkpoint's, `serving/model/dtype.py`)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
     config = HybridConfig.from_file(path / "config.json")
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype, config.dtype, device)
     with torch.device("meta"):
         model = HybridCausalLM(config)
     hf = _fuse_shared_experts(read_safetensors(path, device), config)

@@ -18,6 +18,14 @@ LINEAR = "linear_attention"
 FULL = "full_attention"
 
 
+def is_hybrid_checkpoint(path: str | Path) -> bool:
+    """Whether a checkpoint directory holds a Qwen3-Next model (by its config.json), which the
+    engine loads with `load_hybrid_checkpoint` rather than as the MoE family."""
+    raw = read_config_json(Path(path) / "config.json")
+    archs = raw.get("architectures") or []
+    return (archs[0] if archs else None) == ARCHITECTURE or raw.get("model_type") == MODEL_TYPE
+
+
 @dataclass
 class HybridConfig:
     vocab_size: int

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving.model.hybrid.batch import PaddedBatch
+from serving.model.hybrid.batch import SlotGroup
 from serving.model.hybrid.config import HybridConfig
 from serving.model.hybrid.delta_rule import (
     chunked_gated_delta_rule,
@@ -50,12 +50,22 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
         self.norm = GatedRMSNorm(self.value_head_dim, config.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, hidden, bias=False)
+        # The engine's per-sequence states, [slots, ...] (`slots.py`); None outside the engine.
+        self.conv_slots: torch.Tensor | None = None
+        self.recurrent_slots: torch.Tensor | None = None
 
     def forward(
-        self, x: torch.Tensor, batch: PaddedBatch, state: LinearState | None
+        self,
+        x: torch.Tensor,
+        token_mask: torch.Tensor | None,
+        lengths: torch.Tensor,
+        state: LinearState | None,
     ) -> tuple[torch.Tensor, LinearState | None]:
         """x [B, L, hidden] -> [B, L, hidden], and the state after each row's last real token
-        when a state is given (a call without one starts from zeros and keeps none)."""
+        when a state is given (a call without one starts from zeros and keeps none).
+
+        `token_mask` [B, L] is True on real tokens (None: no padding), `lengths` [B] counts
+        them; rows are right-padded (`batch.PaddedBatch`)."""
         b, length, _ = x.shape
         dk, dv, g_ = self.key_head_dim, self.value_head_dim, self.group
         qkvz = self.in_proj_qkvz(x).view(b, length, self.key_heads, -1)
@@ -77,8 +87,8 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(
             decay_in.reshape(b, length, self.value_heads).float() + self.dt_bias.float()
         )
-        if batch.token_mask is not None:  # padding leaves the recurrent state as it was
-            keep = batch.token_mask[:, :, None]
+        if token_mask is not None:  # padding leaves the recurrent state as it was
+            keep = token_mask[:, :, None]
             g, beta = g * keep, beta * keep
 
         def heads(t: torch.Tensor, dim: int) -> torch.Tensor:  # [B, L, n * dim] -> [B, n, L, dim]
@@ -97,7 +107,23 @@ class GatedDeltaNet(nn.Module):
         y = self.out_proj(out.reshape(b, length, self.value_dim))
         if state is None:
             return y, None
-        return y, LinearState(self._conv_tail(window, batch.lengths), recurrent)
+        return y, LinearState(self._conv_tail(window, lengths), recurrent)
+
+    def forward_slots(self, x: torch.Tensor, groups: list[SlotGroup]) -> torch.Tensor:
+        """The engine's form: a step's tokens x [T, hidden] -> [T, hidden], each group starting
+        from the states in its slots (`conv_slots`, `recurrent_slots`, attached by the engine,
+        `slots.py`) and leaving its new states there."""
+        out = torch.empty_like(x)
+        for g in groups:
+            end = g.offset + g.rows * g.length
+            state = LinearState(self.conv_slots[g.slots], self.recurrent_slots[g.slots])
+            y, state = self.forward(
+                x[g.offset : end].view(g.rows, g.length, -1), None, g.lengths, state
+            )
+            self.conv_slots.index_copy_(0, g.slots, state.conv.to(self.conv_slots.dtype))
+            self.recurrent_slots.index_copy_(0, g.slots, state.recurrent)
+            out[g.offset : end] = y.view(-1, y.shape[-1])
+        return out
 
     def _conv_tail(self, window: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The last `kernel - 1` inputs up to each row's last real token: row b's tail ends at

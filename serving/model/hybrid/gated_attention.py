@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from serving.model.attention import AttentionMetadata, paged_attention, write_kv
 from serving.model.causal_lm import Rope
 from serving.model.hybrid.batch import PaddedBatch
 from serving.model.hybrid.config import HybridConfig
@@ -41,26 +42,46 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
         self.q_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_cache: torch.Tensor | None = None  # set by the engine (`paged.py`)
+        self.v_cache: torch.Tensor | None = None
 
     def forward(
         self, x: torch.Tensor, rope: Rope, batch: PaddedBatch, state: KVState | None
     ) -> tuple[torch.Tensor, KVState | None]:
         """x [B, L, hidden] -> [B, L, hidden]; with a state, attends over its keys too and
         returns them with this call's appended after each row's last one."""
-        b, length, _ = x.shape
-        query_gate, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], -1)
-        q, gate = query_gate.view(b, length, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = partial_rope(rope, self.q_norm(q)).transpose(1, 2)  # [B, heads, L, d]
-        k = partial_rope(rope, self.k_norm(k.view(b, length, self.num_kv_heads, -1)))
-        k, v = k.transpose(1, 2), v.view(b, length, self.num_kv_heads, -1).transpose(1, 2)
+        q, gate, k, v = self._project(x, rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, L, d]
         if state is not None:
             k, v = self._append(state.keys, k, batch), self._append(state.values, v, batch)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=batch.attn_mask, scale=self.scale, enable_gqa=True
         )
-        o = o.transpose(1, 2).reshape(b, length, self.q_size)
-        y = self.o_proj(o * torch.sigmoid(gate.reshape(b, length, self.q_size)))
-        return y, None if state is None else KVState(k, v)
+        return self._gated_output(o.transpose(1, 2), gate), None if state is None else KVState(k, v)
+
+    def forward_paged(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        """The engine's form: a step's tokens x [T, hidden] over the paged KV cache that the
+        model runner attached (`k_cache`, `v_cache`), as the MoE family attends."""
+        q, gate, k, v = self._project(x, rope)
+        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self._gated_output(o, gate)
+
+    def _project(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, ...]:
+        """Query, gate [..., heads, d], key and value [..., kv_heads, d] for x [..., hidden],
+        normed and rotated: what both layouts share."""
+        lead = x.shape[:-1]
+        query_gate, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], -1)
+        q, gate = query_gate.view(*lead, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = partial_rope(rope, self.q_norm(q))
+        k = partial_rope(rope, self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim)))
+        return q, gate, k, v.view(*lead, self.num_kv_heads, self.head_dim)
+
+    def _gated_output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o and gate [..., heads, d] -> [..., hidden]."""
+        lead = o.shape[:-2]
+        gated = o.reshape(*lead, self.q_size) * torch.sigmoid(gate.reshape(*lead, self.q_size))
+        return self.o_proj(gated)
 
     @staticmethod
     def _append(stored: torch.Tensor, new: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:

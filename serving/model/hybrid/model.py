@@ -6,14 +6,16 @@ Gated DeltaNet (`deltanet.py`) or gated full attention (`gated_attention.py`), p
 
 One forward serves training and reference checks (no state) and prefill then decode (a
 `HybridState` in, the next one out): calling it on a prefix and then token by token computes
-what one call over the whole sequence does.
+what one call over the whole sequence does. The engine calls `forward_paged` instead, over
+its paged KV cache and DeltaNet state slots, with the same layers.
 """
 
 import torch
 from torch import nn
 
+from serving.model.attention import AttentionMetadata
 from serving.model.causal_lm import Rope, RotaryEmbedding
-from serving.model.hybrid.batch import PaddedBatch
+from serving.model.hybrid.batch import PaddedBatch, SlotGroup
 from serving.model.hybrid.config import LINEAR, HybridConfig
 from serving.model.hybrid.deltanet import GatedDeltaNet
 from serving.model.hybrid.gated_attention import GatedAttention
@@ -45,14 +47,28 @@ class HybridDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, LinearState | KVState | None]:
         x = self.input_layernorm(h)
         if self.is_linear:
-            mixed, state = self.linear_attn(x, batch, state)
+            mixed, state = self.linear_attn(x, batch.token_mask, batch.lengths, state)
         else:
             mixed, state = self.self_attn(x, rope, batch, state)
-        h = h + mixed
+        return self._mlp(h + mixed, router_logits), state
+
+    def forward_paged(
+        self, h: torch.Tensor, rope: Rope, meta: AttentionMetadata, groups: list[SlotGroup]
+    ) -> torch.Tensor:
+        """The engine's form: a step's flat tokens [T, hidden], full attention over the paged
+        KV cache, DeltaNet from the sequences' state slots."""
+        x = self.input_layernorm(h)
+        if self.is_linear:
+            mixed = self.linear_attn.forward_slots(x, groups)
+        else:
+            mixed = self.self_attn.forward_paged(x, rope, meta)
+        return self._mlp(h + mixed, None)
+
+    def _mlp(self, h: torch.Tensor, router_logits: list[torch.Tensor] | None) -> torch.Tensor:
         x = self.post_attention_layernorm(h)
         if isinstance(self.mlp, SharedExpertMoE):
-            return h + self.mlp(x, router_logits), state
-        return h + self.mlp(x), state
+            return h + self.mlp(x, router_logits)
+        return h + self.mlp(x)
 
 
 class HybridCausalLM(nn.Module):
@@ -108,6 +124,21 @@ class HybridCausalLM(nn.Module):
         if state is None:
             return h, None
         return h, HybridState(state.lengths + batch.lengths, layer_states)
+
+    def forward_paged(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        groups: list[SlotGroup],
+    ) -> torch.Tensor:
+        """Final hidden states (normed) [T, hidden] of a step's flat tokens `input_ids` [T] at
+        `positions` [T], laid out as `meta` and `groups` say (`serving/model/hybrid/paged.py`)."""
+        h = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, h.dtype)
+        for layer in self.layers:
+            h = layer.forward_paged(h, rope, meta, groups)
+        return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

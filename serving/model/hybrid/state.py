@@ -3,8 +3,8 @@
 A Gated DeltaNet layer carries a fixed-size state whatever the context length: the last
 `kernel - 1` inputs of its causal convolution and the delta rule's matrix per value head. A
 full-attention layer carries its keys and values, here as one dense tensor per layer, each
-row's tokens contiguous from slot 0 (the reference form; the engine will keep these in its
-paged KV cache instead, and the DeltaNet states in per-sequence slots).
+row's tokens contiguous from slot 0 (the reference form; the engine keeps these in its paged
+KV cache instead, and the DeltaNet states in per-sequence slots: `paged.py`, `slots.py`).
 """
 
 from dataclasses import dataclass

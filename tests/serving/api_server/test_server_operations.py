@@ -30,7 +30,7 @@ async def test_health_is_503_with_progress_while_warming(
     with how far they are; the tier answers requests meanwhile (eagerly). Ready with one
     graph of four: the others are being compiled apart."""
     warmups = iter(
-        [Progress(0, 4, ready=False, done=False), Progress(1, 4, ready=True, done=False)]
+        [Progress(0, 4, False, False), Progress(1, 4, True, False), Progress(4, 4, True, True)]
     )
     monkeypatch.setattr(aengine.engine, "warmup", lambda: next(warmups))
     async with asgi_client(build_app(aengine, tokenizer, MODEL)) as c:
@@ -41,7 +41,12 @@ async def test_health_is_503_with_progress_while_warming(
         assert warming.headers["retry-after"] == "1"
         assert (await c.post("/v1/chat/completions", json=chat())).status_code == 200
         ready = await c.get("/health")
-        assert ready.status_code == 200 and ready.json() == {"status": "ok"}
+        assert ready.status_code == 200
+        assert ready.json() == {
+            "status": "ok",
+            "warmup": {"graphs_compiled": 1, "graphs_wanted": 4},
+        }
+        assert (await c.get("/health")).json() == {"status": "ok"}
 
 
 async def test_health_when_the_engine_is_dead(aengine: AsyncEngine, tokenizer) -> None:

@@ -96,18 +96,19 @@ async def test_without_fallback_a_named_tier_is_waited_for(tiers):
 
 
 @pytest.mark.parametrize(
-    ("status", "body", "probe"),
+    ("status", "body", "probe", "warmup"),
     [
-        (200, {"status": "ok"}, Probe.READY),
-        (503, {"error": {"message": "warming"}, "warmup": WARMUP}, Probe.WARMING),
-        (503, {"error": {"message": "The engine is not running."}}, Probe.DOWN),
-        (500, {"warmup": WARMUP}, Probe.DOWN),
+        (200, {"status": "ok"}, Probe.READY, None),
+        (200, {"status": "ok", "warmup": WARMUP}, Probe.READY, WARMUP),  # larger graphs to come
+        (503, {"error": {"message": "warming"}, "warmup": WARMUP}, Probe.WARMING, WARMUP),
+        (503, {"error": {"message": "The engine is not running."}}, Probe.DOWN, None),
+        (500, {"warmup": WARMUP}, Probe.DOWN, None),
     ],
 )
-async def test_probe_reads_a_warming_tiers_progress(tiers, status, body, probe):
+async def test_probe_reads_a_warming_tiers_progress(tiers, status, body, probe, warmup):
     app = make_app(tiers)
     upstream = app.state.gateway.upstreams["full"]
     transport = httpx.MockTransport(lambda request: httpx.Response(status, json=body))
     upstream.client = httpx.AsyncClient(transport=transport)
     assert await upstream.probe(timeout_s=1) == probe
-    assert upstream.warmup == (WARMUP if probe == Probe.WARMING else None)
+    assert upstream.warmup == warmup

@@ -21,26 +21,8 @@ transformers = pytest.importorskip("transformers")
 from serving.model.config import CheckpointError  # noqa: E402
 from serving.model.hybrid.checkpoint import load_hybrid_checkpoint  # noqa: E402
 from serving.model.hybrid.config import FULL, LINEAR, HybridConfig  # noqa: E402
+from tests.serving.model.hybrid_tiny import TINY, VOCAB, hf_hybrid_model  # noqa: E402
 
-VOCAB = 97
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,  # two value heads per key head: grouped value attention
-    linear_key_head_dim=16,
-    linear_value_head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    max_position_embeddings=256,
-)
 CASES = {
     # L F L F, layer 1 dense
     "interval-2": dict(full_attention_interval=2, mlp_only_layers=[1]),
@@ -55,20 +37,10 @@ CASES = {
 LENGTHS = [70, 5, 33]  # the longest crosses a 64-token chunk
 
 
-def _hf_model(**over):
-    torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**(TINY | over)))
-    with torch.no_grad():  # norms start at 0 (1 + w) or 1: perturb them so a mix-up shows
-        for name, p in model.named_parameters():
-            if "norm" in name or "dt_bias" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    hf = _hf_model(**CASES[request.param])
+    hf = hf_hybrid_model(**CASES[request.param])
     hf.save_pretrained(path)
     return hf, path
 
@@ -193,7 +165,7 @@ def test_layer_types_from_the_interval():
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     path = tmp_path_factory.mktemp("written")
-    _hf_model(**CASES["interval-4"]).save_pretrained(path)
+    hf_hybrid_model(**CASES["interval-4"]).save_pretrained(path)
     load_hybrid_checkpoint(path)  # loads as written
     return path
 
