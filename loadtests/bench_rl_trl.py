@@ -18,9 +18,9 @@ loading, compiling or exporting.
 
     python -m loadtests.bench_rl_trl --init models/demo-highspeed --domain math --steps 20
 
-`--ours-run DIR` takes our side from a finished run of the stage with the same settings (the
-run that found them, say) instead of training it again; its settings are checked against
-these.
+`--ours-run DIR` takes our side from a run of the stage with the same settings (the run that
+found them, say), its first `--steps` steps, instead of training it again; its settings are
+checked against these.
 
 Writes `OUT/rewards.png`, `OUT/ours/` (the stage's run) and `OUT/trl/`, and prints a table of
 the reward per step with each side's wall time.
@@ -70,19 +70,22 @@ def stage_config(args: argparse.Namespace, init: Path) -> RLStage:
 
 
 def logged_curve(config: RLStage, out: Path) -> tuple[list[float], float]:
-    """A finished run's reward per step and the seconds its steps took."""
+    """The reward per step of a run's first `train.steps` steps, and the seconds they took."""
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    if len(rows) != config.train.steps:
+    if len(rows) < config.train.steps:
         raise SystemExit(f"{out}: {len(rows)} steps logged, not {config.train.steps}")
+    rows = rows[: config.train.steps]
     seconds = sum(row["tokens"] / row["tokens_per_s"] for row in rows)
     return [row[f"reward/{next(iter(config.data.mix))}"] for row in rows], seconds
 
 
 def same_settings(config: RLStage, out: Path) -> None:
     """Refuse a run of the stage whose training differs from `config` in more than where
-    its start lies, what it logs and how often it saves."""
+    its start lies, what it logs, how often it saves and how many steps it ran on: at the
+    bench's constant learning rate, a longer run's first steps are a shorter one's."""
     run = RLStage.model_validate_json((out / "stage.json").read_text())
-    ignored = {"init": True, "rl": {"track_kl"}, "train": {"save_every", "eval_every", "eval_n"}}
+    ignored = {"init": True, "rl": {"track_kl"}, "train": {"steps", "save_every", "eval_every"}}
+    ignored["train"] |= {"eval_n"}
     ignored["train"] |= {"eval_max_tokens", "eval_difficulties", "keep_checkpoints"}
     theirs, ours = run.model_dump(exclude=ignored), config.model_dump(exclude=ignored)
     if theirs != ours:
