@@ -4,17 +4,23 @@ hyper-parameters: both training-reward curves on one plot, and each side's wall 
 Both sides train `--init` for `--steps` optimizer steps, each on `--tasks` prompts x `--group`
 sampled answers, with AdamW (betas 0.9 / 0.95, weight decay 0.1), a constant learning rate
 `--lr`, gradient clipping at 1, the clipped objective at 0.2 / 0.28 (clip-higher), token-level
-normalisation (TRL's `dapo` loss), group-standardised advantages, no KL term, temperature 1
-and at most `--max-tokens` new tokens. The prompts are the RL stage's own (`step_tasks` over
-one domain), given to TRL in the same order (its shuffling off); the reward is our verifier's
-verdict on the answer's text plus DAPO's overlong penalty on its length, on both sides; the
-curves are the verifier's part. Dynamic sampling is off on ours, as TRL has none: both
-normalise by every token of the step. An FP4 checkpoint is widened to fp32 first (transformers
-cannot load per-expert FP4 into its fused experts); our stage widens it the same way when it
-loads it. transformers adds the MoE router's auxiliary loss to TRL's objective (coefficient
-1e-3); our RL objective has none.
+normalisation (TRL's `dapo` loss), group-standardised advantages, the k3 KL term to the initial
+model at `--kl-coef` (TRL's `beta`), temperature 1 and at most `--max-tokens` new tokens. The
+prompts are the RL stage's own (`step_tasks` over one domain), given to TRL in the same order
+(its shuffling off); the reward is our verifier's verdict on the answer's text plus DAPO's
+overlong penalty on its length, on both sides; the curves are the verifier's part. Dynamic
+sampling is off on ours, as TRL has none: both normalise by every token of the step. An FP4
+checkpoint is widened to fp32 first (transformers cannot load per-expert FP4 into its fused
+experts); our stage widens it the same way when it loads it. transformers adds the MoE router's
+auxiliary loss to TRL's objective (coefficient 1e-3); our RL objective has none. Each side's
+wall time is its training loop alone (our stage's summed step times, TRL's `train()`), without
+loading, compiling or exporting.
 
     python -m loadtests.bench_rl_trl --init models/demo-highspeed --domain math --steps 20
+
+`--ours-run DIR` takes our side from a run of the stage with the same settings (the run that
+found them, say), its first `--steps` steps, instead of training it again; its settings are
+checked against these.
 
 Writes `OUT/rewards.png`, `OUT/ours/` (the stage's run) and `OUT/trl/`, and prints a table of
 the reward per step with each side's wall time.
@@ -56,14 +62,39 @@ def stage_config(args: argparse.Namespace, init: Path) -> RLStage:
             "max_turns": 1,
             "dynamic_sampling": False,
             "domain_weighting": "fixed",
+            "kl_coef": args.kl_coef,
             "track_kl": False,
             "overlong_cache": OVERLONG_CACHE,
         },
     )
 
 
-def run_ours(config: RLStage, out: Path) -> tuple[list[float], float]:
-    """The stage through its command, as a user runs it: rewards per step, wall seconds."""
+def logged_curve(config: RLStage, out: Path) -> tuple[list[float], float]:
+    """The reward per step of a run's first `train.steps` steps, and the seconds they took."""
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    if len(rows) < config.train.steps:
+        raise SystemExit(f"{out}: {len(rows)} steps logged, not {config.train.steps}")
+    rows = rows[: config.train.steps]
+    seconds = sum(row["tokens"] / row["tokens_per_s"] for row in rows)
+    return [row[f"reward/{next(iter(config.data.mix))}"] for row in rows], seconds
+
+
+def same_settings(config: RLStage, out: Path) -> None:
+    """Refuse a run of the stage whose training differs from `config` in more than where
+    its start lies, what it logs, how often it saves and how many steps it ran on: at the
+    bench's constant learning rate, a longer run's first steps are a shorter one's."""
+    run = RLStage.model_validate_json((out / "stage.json").read_text())
+    ignored = {"init": True, "rl": {"track_kl"}, "train": {"steps", "save_every", "eval_every"}}
+    ignored["train"] |= {"eval_n"}
+    ignored["train"] |= {"eval_max_tokens", "eval_difficulties", "keep_checkpoints"}
+    theirs, ours = run.model_dump(exclude=ignored), config.model_dump(exclude=ignored)
+    if theirs != ours:
+        differ = {k for k in ours if ours[k] != theirs[k]}
+        raise SystemExit(f"{out}: trained with other settings ({', '.join(sorted(differ))})")
+
+
+def run_ours(config: RLStage, out: Path) -> None:
+    """The stage through its command, as a user runs it."""
     sets = {
         "data.mix": json.dumps(config.data.mix).replace(":", "="),
         "data.difficulties": json.dumps(config.data.difficulties),
@@ -83,11 +114,7 @@ def run_ours(config: RLStage, out: Path) -> tuple[list[float], float]:
     command = [*TIERSERVE, "train", "rl", "--init", config.init, "--out", str(out)]
     for key, value in sets.items():
         command += ["--set", f"{key}={value}"]
-    start = time.monotonic()
     subprocess.run(command, check=True)
-    wall = time.monotonic() - start
-    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    return [row[f"reward/{next(iter(config.data.mix))}"] for row in rows], wall
 
 
 def run_trl(config: RLStage, model_dir: Path, out: Path) -> tuple[list[float], float]:
@@ -147,7 +174,7 @@ def run_trl(config: RLStage, model_dir: Path, out: Path) -> tuple[list[float], f
         adam_beta2=train.optim.betas[1],
         weight_decay=train.optim.weight_decay,
         max_grad_norm=train.optim.grad_clip,
-        beta=0.0,
+        beta=rl.kl_coef,
         epsilon=rl.eps_low,
         epsilon_high=rl.eps_high,
         loss_type="dapo",
@@ -202,6 +229,8 @@ def main() -> None:
     ap.add_argument("--grad-accum", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--kl-coef", type=float, default=0.0)
+    ap.add_argument("--ours-run", type=Path, help="a finished run of our stage to take")
     ap.add_argument("--out", type=Path, default=Path("bench-out/rl-trl"))
     args = ap.parse_args()
     if args.tasks * args.group % args.grad_accum:
@@ -211,7 +240,11 @@ def main() -> None:
     if not (widened / "config.json").exists():
         save_checkpoint(load_checkpoint(args.init, keep_fp4=False), widened, args.init)
     config = stage_config(args, widened)
-    ours, ours_s = run_ours(config, args.out / "ours")
+    ours_dir = args.ours_run or args.out / "ours"
+    if args.ours_run is None:
+        run_ours(config, ours_dir)
+    same_settings(config, ours_dir)
+    ours, ours_s = logged_curve(config, ours_dir)
     trl, trl_s = run_trl(config, widened, args.out / "trl")
     title = f"{args.init.name}, {args.domain}: {args.tasks} x {args.group} a step, lr {args.lr}"
     curves = {f"ours ({ours_s:.0f} s)": ours, f"TRL GRPO ({trl_s:.0f} s)": trl}

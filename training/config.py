@@ -135,7 +135,7 @@ class RLConfig(BaseModel):
     # log the k3 KL to `init` every step even without a KL term (one more forward per row)
     track_kl: bool = True
     overlong_cache: int = Field(64, ge=1)  # the penalty ramps over the budget's last tokens
-    dynamic_sampling: bool = True  # drop groups whose rewards are all equal
+    dynamic_sampling: bool = True  # drop groups whose verdicts are all equal
     domain_weighting: Literal["progress", "fixed"] = "progress"
 
 

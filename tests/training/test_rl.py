@@ -1,9 +1,12 @@
 """GRPO / DAPO pieces on fixed tensors: advantages, clip-higher, token-level sums, dynamic
-sampling, the overlong penalty, the k3 KL, and domain weights that follow progress."""
+sampling (on the verdicts, not the overlong penalty), the overlong penalty, the k3 KL, and
+domain weights that follow progress."""
 
 import pytest
 import torch
 
+from tasks import Task
+from training.config import RLConfig
 from training.objectives.grpo import (
     DomainWeights,
     group_advantages,
@@ -13,6 +16,8 @@ from training.objectives.grpo import (
     policy_loss_sum,
     ratio_stats,
 )
+from training.stages.rl import episode_advantages
+from training.stages.rollouts import Rollout, Turn
 
 
 def test_group_advantages_are_standardised_within_each_group() -> None:
@@ -37,6 +42,24 @@ def test_ratio_stats_over_the_masked_tokens() -> None:
 def test_dynamic_sampling_drops_groups_with_equal_rewards() -> None:
     assert not informative([1.0, 1.0, 1.0]) and not informative([0.0, 0.0])
     assert informative([0.0, 1.0, 0.0])
+
+
+def episodes(rewards: list[float], lengths: list[int]) -> list[Rollout]:
+    task = Task("math", 0, 1, "1 + 1?", {})
+    return [
+        Rollout(task, g, [Turn([1], [2] * n, [0.0] * n)], reward)
+        for g, (reward, n) in enumerate(zip(rewards, lengths, strict=True))
+    ]
+
+
+def test_dynamic_sampling_ignores_overlong_penalties_among_equal_verdicts() -> None:
+    rl = RLConfig(max_tokens=100, overlong_cache=20)
+    all_failed = episodes([0.0] * 4, [50, 50, 50, 95])  # the last one is penalised
+    assert episode_advantages(all_failed, rl) is None
+    kept = episode_advantages(all_failed, rl.model_copy(update={"dynamic_sampling": False}))
+    assert kept is not None and kept[3] < 0 < kept[0]
+    mixed = episode_advantages(episodes([1.0, 0.0, 0.0, 1.0], [85, 50, 50, 50]), rl)
+    assert mixed is not None and mixed[3] > mixed[0] > 0 > mixed[1] == mixed[2]
 
 
 def test_clip_higher_is_asymmetric_and_the_loss_is_a_token_sum() -> None:

@@ -8,7 +8,8 @@ for every token of the answer. DAPO (Yu et al., 2025) adds, and this module impl
   eps_high > eps_low, so unlikely tokens with positive advantage can still grow;
 - a token-level loss: summed over tokens and divided by the batch's token count (the
   trainer's normalisation), so long answers weigh by their tokens, not as one sample;
-- dynamic sampling: groups whose rewards are all equal carry no signal and are dropped;
+- dynamic sampling: groups whose verdicts are all equal carry no signal and are dropped,
+  whatever their overlong penalties;
 - an overlong penalty that grows linearly over the last `cache` tokens of the budget.
 
 An optional KL term to the reference uses the k3 estimator (Schulman), as GRPO does.

@@ -116,6 +116,26 @@ def step_tasks(
     ]
 
 
+def episode_advantages(group: list[Rollout], rl: RLConfig) -> list[float] | None:
+    """Each episode's advantage: its verdict plus the overlong penalty on its longest turn,
+    standardised within the group; None when dynamic sampling drops the group. DAPO drops a
+    group on its verdicts alone: among answers that all failed (or all passed), the
+    standardised penalty would otherwise become a full-size signal to be short, whatever
+    that costs the answers."""
+    if rl.dynamic_sampling and not informative([r.reward for r in group]):
+        return None
+    rewards = [
+        r.reward
+        + overlong_penalty(
+            max((len(t.completion_ids) for t in r.turns), default=0),
+            rl.max_tokens,
+            rl.overlong_cache,
+        )
+        for r in group
+    ]
+    return group_advantages(torch.tensor([rewards]))[0].tolist()
+
+
 # One answer turn: prompt ids, completion ids, the completion's sampling log-probabilities,
 # and its episode's advantage.
 Row = tuple[list[int], list[int], list[float], float]
@@ -187,15 +207,6 @@ class RLTrainer(Trainer):
         advantages: list[float] = []
         for group in groups:
             domain = group[0].task.domain
-            rewards = [
-                r.reward
-                + overlong_penalty(
-                    max((len(t.completion_ids) for t in r.turns), default=0),
-                    rl.max_tokens,
-                    rl.overlong_cache,
-                )
-                for r in group
-            ]
             for r in group:
                 stats.setdefault(f"reward/{domain}", []).append(r.reward)
                 stats.setdefault(f"success/{domain}", []).append(float(r.reward >= 1.0))
@@ -205,11 +216,11 @@ class RLTrainer(Trainer):
                 stats.setdefault(f"entropy/{domain}", []).extend(
                     -lp for t in r.turns for lp in t.logprobs
                 )
-            flat += not informative(rewards)
-            if rl.dynamic_sampling and not informative(rewards):
+            flat += not informative([r.reward for r in group])
+            group_adv = episode_advantages(group, rl)
+            if group_adv is None:
                 continue
             kept += 1
-            group_adv = group_advantages(torch.tensor([rewards]))[0].tolist()
             advantages += group_adv
             for r, adv in zip(group, group_adv, strict=True):
                 rows += turn_rows(r, adv, self.cfg.seq_len)
@@ -219,7 +230,7 @@ class RLTrainer(Trainer):
         self.step_stats = {k: sum(v) / len(v) for k, v in stats.items() if v}
         self.step_stats |= {f"weight/{d}": w for d, w in self.weights.weights().items()}
         self.step_stats["groups_kept"] = kept / len(groups)
-        # Groups whose answers all scored alike: no GRPO signal, whether or not they are kept.
+        # Groups whose verdicts were all alike: no signal of correctness, kept or not.
         self.step_stats["zero_variance_groups"] = flat / len(groups)
         self.step_stats["adv_std"] = float(torch.tensor(advantages or [0.0]).std(unbiased=False))
         return self._split(rows)
