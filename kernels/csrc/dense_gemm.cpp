@@ -66,18 +66,19 @@ using BFloat16Matrix = DenseMatrix<BFloat16, BFloat16Row, ScalarType::BFloat16>;
 template <class Matrix>
 Matrix matrix(const Tensor& w, int64_t groups, const char* name) {
   STD_TORCH_CHECK(w.scalar_type() == Matrix::type, name, " must be ", Matrix::type, " like the ",
-              "other weight, not ", w.scalar_type());
+                  "other weight, not ", w.scalar_type());
   STD_TORCH_CHECK(w.is_contiguous() && w.dim() >= 2 && w.numel() > 0, name,
-              " must be a contiguous, non-empty [..., N, K]");
+                  " must be a contiguous, non-empty [..., N, K]");
   const int64_t N = w.size(-2), K = w.size(-1);
   STD_TORCH_CHECK(w.numel() == groups * N * K, name, " ", shape(w), " is not ", groups,
-              " matrices");
+                  " matrices");
   return {static_cast<const decltype(Matrix::w)>(w.const_data_ptr()), N, K};
 }
 
 void check_dtype(const Tensor& w, const char* name) {
-  STD_TORCH_CHECK(w.scalar_type() == ScalarType::Float || w.scalar_type() == ScalarType::BFloat16, name,
-              " must be float32 or bfloat16, not ", w.scalar_type());
+  STD_TORCH_CHECK(
+      w.scalar_type() == ScalarType::Float || w.scalar_type() == ScalarType::BFloat16, name,
+      " must be float32 or bfloat16, not ", w.scalar_type());
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight) {

@@ -189,23 +189,24 @@ Fp4Matrix<kBlock> blocked(const Matrix& m) {
 // Checks an FP4 weight's arrays against [groups, N, K] and returns it as a Matrix.
 Matrix matrix(const Format& f, const Tensor& packed, const Tensor& scales,
               const std::optional<Tensor>& row_scale, int64_t groups, const char* name) {
-  STD_TORCH_CHECK(packed.scalar_type() == ScalarType::Byte && scales.scalar_type() == ScalarType::Byte, name,
-              ": packed codes and scales must be uint8");
+  STD_TORCH_CHECK(
+      packed.scalar_type() == ScalarType::Byte && scales.scalar_type() == ScalarType::Byte, name,
+      ": packed codes and scales must be uint8");
   STD_TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous(), name, ": must be contiguous");
   STD_TORCH_CHECK(packed.numel() > 0 && packed.size(-1) * 2 % f.block == 0, name,
-              ": rows of ", packed.size(-1) * 2, " codes are not whole blocks of ", f.block);
+                  ": rows of ", packed.size(-1) * 2, " codes are not whole blocks of ", f.block);
   const int64_t N = packed.size(-2), K = packed.size(-1) * 2;
   STD_TORCH_CHECK(packed.numel() == groups * N * K / 2, name, ": packed codes ", shape(packed),
-              " are not ", groups, " matrices");
+                  " are not ", groups, " matrices");
   STD_TORCH_CHECK(scales.dim() == packed.dim() && scales.numel() == groups * N * (K / f.block) &&
-                  scales.size(-1) == K / f.block,
-              name, ": scales ", shape(scales), " do not match packed codes ", shape(packed),
-              " in blocks of ", f.block);
+                      scales.size(-1) == K / f.block,
+                  name, ": scales ", shape(scales), " do not match packed codes ", shape(packed),
+                  " in blocks of ", f.block);
   const float* rs = nullptr;
   if (row_scale.has_value()) {
     STD_TORCH_CHECK(row_scale->scalar_type() == ScalarType::Float && row_scale->is_contiguous() &&
-                    row_scale->numel() == groups * N,
-                name, ": row scales must be ", groups * N, " contiguous float32");
+                        row_scale->numel() == groups * N,
+                    name, ": row scales must be ", groups * N, " contiguous float32");
     rs = row_scale->const_data_ptr<float>();
   }
   return {packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<uint8_t>(), rs, N, K, &f};
@@ -227,7 +228,7 @@ Tensor moe(const Tensor& x, const Tensor& topk_weights, const Tensor& topk_ids,
                const std::optional<Tensor>& down_row_scale) {
   const Format& f = format_of(format);
   STD_TORCH_CHECK(gate_up_packed.dim() == 3 && down_packed.dim() == 3,
-              "expert codes must be [E, N, K/2]");
+                  "expert codes must be [E, N, K/2]");
   const int64_t E = gate_up_packed.size(0);
   const Matrix gate_up = matrix(f, gate_up_packed, gate_up_scales, gate_up_row_scale, E, "gate_up");
   const Matrix down = matrix(f, down_packed, down_scales, down_row_scale, E, "down");

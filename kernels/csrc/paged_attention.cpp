@@ -23,7 +23,6 @@
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
-#include <torch/csrc/stable/tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -32,11 +31,9 @@
 #include <vector>
 
 #include "simd.h"
+#include "tensors.h"
 
 namespace tierserve::attention {
-
-using torch::headeronly::ScalarType;
-using torch::stable::Tensor;
 
 // The vectors a head takes when its dimension is known at compile time and fills whole
 // vectors, 0 otherwise: a query or a weighted sum then lives in registers.
@@ -208,17 +205,18 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache,
   STD_TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B, H, D] and caches [N, bs, KV, D]");
   STD_TORCH_CHECK(q.scalar_type() == ScalarType::Float, "q must be float32");
   STD_TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "k_cache and v_cache must match in shape and dtype");
+                      k_cache.sizes() == v_cache.sizes(),
+                  "k_cache and v_cache must match in shape and dtype");
   STD_TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
-              "head dims differ, or query heads are not a multiple of kv heads");
-  STD_TORCH_CHECK(block_tables.scalar_type() == ScalarType::Long && context_lens.scalar_type() == ScalarType::Long,
-              "block_tables and context_lens must be int64");
+                  "head dims differ, or query heads are not a multiple of kv heads");
+  STD_TORCH_CHECK(block_tables.scalar_type() == ScalarType::Long &&
+                      context_lens.scalar_type() == ScalarType::Long,
+                  "block_tables and context_lens must be int64");
   STD_TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
-              "one block table and one context length per query");
+                  "one block table and one context length per query");
   STD_TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  block_tables.is_contiguous() && context_lens.is_contiguous(),
-              "inputs must be contiguous");
+                      block_tables.is_contiguous() && context_lens.is_contiguous(),
+                  "inputs must be contiguous");
   // What the loops will read, checked first: a context within its block table, and blocks
   // within the cache.
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
@@ -226,14 +224,14 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache,
   const int64_t block_size = k_cache.size(1), width = block_tables.size(1);
   for (int64_t b = 0; b < q.size(0); ++b) {
     STD_TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * block_size, "context length ", lens[b],
-                " of sequence ", b, " is not in [1, ", width * block_size,
-                "], what its block table holds");
+                    " of sequence ", b, " is not in [1, ", width * block_size,
+                    "], what its block table holds");
     for (int64_t i = 0; i * block_size < lens[b]; ++i)
-      STD_TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < k_cache.size(0), "block ",
-                  tables[b * width + i], " of sequence ", b, " is not in the cache's ",
-                  k_cache.size(0), " blocks");
+      STD_TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < k_cache.size(0),
+                      "block ", tables[b * width + i], " of sequence ", b,
+                      " is not in the cache's ", k_cache.size(0), " blocks");
   }
-  Tensor out = torch::stable::empty_like(q);
+  Tensor out = empty_float({q.size(0), q.size(1), q.size(2)});
   switch (k_cache.scalar_type()) {
     case ScalarType::Float:
       dispatch_head_dim<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale);

@@ -19,22 +19,17 @@
 #pragma once
 
 #include <torch/csrc/stable/ops.h>
-#include <torch/csrc/stable/tensor.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <sstream>
-#include <string>
 #include <vector>
 
 #include "simd.h"
+#include "tensors.h"
 
 namespace tierserve {
-
-using torch::headeronly::ScalarType;
-using torch::stable::Tensor;
 
 // Activation rows that share one load of a weight vector.
 constexpr int64_t kMaxTile = 8;
@@ -133,18 +128,9 @@ void segmented_product(const float* x, const Matrix& m, const std::vector<Segmen
   });
 }
 
-// A tensor's shape as "[2, 3]", for error messages.
-inline std::string shape(const Tensor& t) {
-  std::ostringstream out;
-  out << "[";
-  for (int64_t d = 0; d < t.dim(); ++d) out << (d ? ", " : "") << t.size(d);
-  out << "]";
-  return out.str();
-}
-
 inline void check_activations(const Tensor& x, int64_t K) {
   STD_TORCH_CHECK(x.dim() == 2 && x.scalar_type() == ScalarType::Float && x.is_contiguous(),
-              "x must be contiguous float32 [rows, K]");
+                  "x must be contiguous float32 [rows, K]");
   STD_TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
 }
 
@@ -152,9 +138,10 @@ inline void check_activations(const Tensor& x, int64_t K) {
 template <class Matrix>
 Tensor linear_product(const Tensor& x, const Matrix& m) {
   check_activations(x, m.K);
-  Tensor out = torch::stable::new_empty(x, {x.size(0), m.N});
+  Tensor out = empty_float({x.size(0), m.N});
   if (x.size(0) > 0)
-    segmented_product(x.const_data_ptr<float>(), m, {{0, 0, x.size(0)}}, out.mutable_data_ptr<float>());
+    segmented_product(x.const_data_ptr<float>(), m, {{0, 0, x.size(0)}},
+                      out.mutable_data_ptr<float>());
   return out;
 }
 
@@ -190,15 +177,16 @@ Tensor expert_product(const Tensor& x, const Tensor& topk_weights,
                           int64_t E) {
   const int64_t H = gate_up.K, I = down.K;
   STD_TORCH_CHECK(gate_up.N == 2 * I && down.N == H, "gate_up [", E, ", ", gate_up.N, ", ", H,
-              "] and down [", E, ", ", down.N, ", ", I, "] are not the experts of one layer");
+                  "] and down [", E, ", ", down.N, ", ", I, "] are not the experts of one layer");
   check_activations(x, H);
   const int64_t T = x.size(0);
-  STD_TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T && topk_ids.scalar_type() == ScalarType::Long &&
-                  topk_ids.is_contiguous(),
-              "topk_ids must be contiguous int64 [T, k]");
+  STD_TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T &&
+                      topk_ids.scalar_type() == ScalarType::Long && topk_ids.is_contiguous(),
+                  "topk_ids must be contiguous int64 [T, k]");
   STD_TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() &&
-                  topk_weights.scalar_type() == ScalarType::Float && topk_weights.is_contiguous(),
-              "topk_weights must be contiguous float32 shaped like topk_ids");
+                      topk_weights.scalar_type() == ScalarType::Float &&
+                      topk_weights.is_contiguous(),
+                  "topk_weights must be contiguous float32 shaped like topk_ids");
   const int64_t top_k = topk_ids.size(1), S = T * top_k;
   const int64_t* ids = topk_ids.const_data_ptr<int64_t>();
   // Slots sorted by expert (a counting sort, stable): sorted[p] is the slot at position p.
@@ -227,7 +215,7 @@ Tensor expert_product(const Tensor& x, const Tensor& topk_weights,
   segmented_product(xs.data(), gate_up, segments, h.data());
   silu_and_mul(h.data(), a.data(), S, I);
   segmented_product(a.data(), down, segments, y.data());
-  Tensor out = torch::stable::new_empty(x, {T, H});
+  Tensor out = empty_float({T, H});
   float* o = out.mutable_data_ptr<float>();
   const float* w = topk_weights.const_data_ptr<float>();
   torch::stable::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {

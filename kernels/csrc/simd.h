@@ -37,12 +37,20 @@ using Ints = int32_t __attribute__((vector_size(sizeof(Vec))));
 constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
 
 inline Vec broadcast(float s) { return Vec{} + s; }
+#if defined(CPU_CAPABILITY_AVX512)
+inline Vec loadu(const float* p) { return _mm512_loadu_ps(p); }
+inline void storeu(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#elif defined(CPU_CAPABILITY_AVX2)
+inline Vec loadu(const float* p) { return _mm256_loadu_ps(p); }
+inline void storeu(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#else
 inline Vec loadu(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 inline void storeu(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+#endif
 
 // a * b + c, rounded once.
 inline Vec fmadd(Vec a, Vec b, Vec c) {
