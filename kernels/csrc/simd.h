@@ -3,8 +3,8 @@
 // of it, shared by every op.
 //
 // A vector is the capability's own register type (GCC's vector extension under the
-// intrinsics' types), so `+ - * /` and comparisons are the compiler's, and only what the
-// extension lacks is written per capability: fused multiply-adds, lane sums, widening loads.
+// intrinsics' types), so `+ - * /` and comparisons are the compiler's, and only the rest is
+// written per capability: loads, fused multiply-adds, lane sums, widening loads.
 // DEFAULT is the same extension at eight lanes (ATen's portable width), its lane operations
 // left to the compiler. These few lines replace ATen's vector headers, whose compilation took
 // most of the ops' build time.
@@ -82,15 +82,16 @@ inline float lane_sum(Vec v) {
 #endif
 }
 
-// e^x lane by lane, within a few units in the last place: x = n ln2 + r with |r| <= ln2 / 2
-// (ln2 in two parts, so r is exact), e^r by its Taylor-like minimax polynomial of degree 6,
-// times 2^n built in the exponent bits. Inputs are clamped to where 2^n is a normal float.
+// e^x lane by lane, within one unit in the last place: x = n ln2 + r with n the nearest
+// integer (adding 1.5 * 2^23 rounds away the fraction) and |r| <= ln2 / 2 (ln2 in two parts,
+// so r is exact), e^r by a minimax polynomial of degree 6, times 2^n built in the exponent
+// bits. Inputs are clamped to [-87.3, 88.3], where 2^n is a normal float: beyond, e^x is
+// about 1e-38 or 2e38 (SiLU's g / (1 + e^-g) then still goes to 0 for a very negative g).
 inline Vec exp(Vec x) {
   x = x < -87.3f ? broadcast(-87.3f) : x;
   x = x > 88.3f ? broadcast(88.3f) : x;
-  const Vec t = x * 1.44269504f + 0.5f;
-  Vec n = __builtin_convertvector(__builtin_convertvector(t, Ints), Vec);
-  n = n > t ? n - 1.0f : n;  // the conversion truncates; this floors
+  const Vec round = broadcast(12582912.0f);
+  const Vec n = (x * 1.44269504f + round) - round;
   const Vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
   Vec p = broadcast(1.9875691500e-4f);
   p = fmadd(p, r, broadcast(1.3981999507e-3f));
