@@ -23,8 +23,6 @@ def _register_fake() -> None:
 
 
 LIBRARY = cpu_extension.Library(
-    "tierserve_cpu_ops",
-    "paged_attention.cpp",
     _register_fake,
     "decode attention runs as SDPA over gathered blocks instead, slower",
 )

@@ -29,8 +29,6 @@ def _register_fakes() -> None:
 
 
 LIBRARY = cpu_extension.Library(
-    "tierserve_cpu_dense",
-    "dense_gemm.cpp",
     _register_fakes,
     "compiled decode steps project by inductor's fused reductions and read each token's "
     "experts in place instead, reading every weight once per row",

@@ -25,8 +25,6 @@ def _register_fakes() -> None:
 
 
 LIBRARY = cpu_extension.Library(
-    "tierserve_cpu_fp4",
-    "fp4_gemm.cpp",
     _register_fakes,
     "FP4 checkpoints are dequantized at load on this CPU instead (the memory of a bf16 "
     "or fp32 checkpoint)",

@@ -22,13 +22,13 @@
 // - AVX-512: 16 codes a vector, the 16-entry signed table in one zmm (`vpermps` reads 4 bits);
 // - AVX2: 8 codes a vector, the 8 magnitudes in one ymm (`vpermps` reads 3 bits) and the
 //   sign bit moved into place by the same xor that undoes the table's index bits;
-// - elsewhere (ATen's DEFAULT capability): a scalar lookup into a 16-float table per vector.
-// Sums and fused multiply-adds are ATen's vector types, as in paged_attention.cpp.
+// - elsewhere (the DEFAULT capability): a scalar lookup into a 16-float table per vector.
+// Sums and fused multiply-adds are simd.h's, as in paged_attention.cpp.
 //
 // The tile loops, the experts' grouping by expert and the threads are row_products.h's,
 // shared with the dense ops (dense_gemm.cpp): here an FP4 row is one of its weight readers.
 
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <array>
 #include <cmath>
@@ -40,14 +40,8 @@
 
 #include "row_products.h"
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
-#endif
+namespace tierserve::fp4 {
 
-namespace {
-
-using tierserve::kLanes;
-using tierserve::Vec;
 static_assert(16 % kLanes == 0, "a block of 16 must hold whole vectors");
 
 alignas(64) constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
@@ -80,7 +74,7 @@ Format make_nvfp4() {
 
 const Format& format_of(const std::string& name) {
   static const Format mxfp4 = make_mxfp4(), nvfp4 = make_nvfp4();
-  TORCH_CHECK(name == "mxfp4" || name == "nvfp4", "format must be mxfp4 or nvfp4, not ", name);
+  STD_TORCH_CHECK(name == "mxfp4" || name == "nvfp4", "format must be mxfp4 or nvfp4, not ", name);
   return name == "mxfp4" ? mxfp4 : nvfp4;
 }
 
@@ -127,12 +121,12 @@ struct Decoder {
     for (int i = 0; i < 16; ++i) table[i] = kE2M1[i] * s;
   }
   Vec operator()(const uint8_t* p) const {
-    alignas(64) float w[kLanes];
+    Vec w;
     for (int64_t i = 0; i < kLanes / 2; ++i) {
       w[2 * i] = table[p[i] & 15];
       w[2 * i + 1] = table[p[i] >> 4];
     }
-    return Vec::loadu(w);
+    return w;
   }
 };
 #endif
@@ -193,47 +187,48 @@ Fp4Matrix<kBlock> blocked(const Matrix& m) {
 }
 
 // Checks an FP4 weight's arrays against [groups, N, K] and returns it as a Matrix.
-Matrix matrix(const Format& f, const at::Tensor& packed, const at::Tensor& scales,
-              const std::optional<at::Tensor>& row_scale, int64_t groups, const char* name) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && scales.scalar_type() == at::kByte, name,
-              ": packed codes and scales must be uint8");
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous(), name, ": must be contiguous");
-  TORCH_CHECK(packed.numel() > 0 && packed.size(-1) * 2 % f.block == 0, name,
-              ": rows of ", packed.size(-1) * 2, " codes are not whole blocks of ", f.block);
+Matrix matrix(const Format& f, const Tensor& packed, const Tensor& scales,
+              const std::optional<Tensor>& row_scale, int64_t groups, const char* name) {
+  STD_TORCH_CHECK(
+      packed.scalar_type() == ScalarType::Byte && scales.scalar_type() == ScalarType::Byte, name,
+      ": packed codes and scales must be uint8");
+  STD_TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous(), name, ": must be contiguous");
+  STD_TORCH_CHECK(packed.numel() > 0 && packed.size(-1) * 2 % f.block == 0, name,
+                  ": rows of ", packed.size(-1) * 2, " codes are not whole blocks of ", f.block);
   const int64_t N = packed.size(-2), K = packed.size(-1) * 2;
-  TORCH_CHECK(packed.numel() == groups * N * K / 2, name, ": packed codes ", packed.sizes(),
-              " are not ", groups, " matrices");
-  TORCH_CHECK(scales.dim() == packed.dim() && scales.numel() == groups * N * (K / f.block) &&
-                  scales.size(-1) == K / f.block,
-              name, ": scales ", scales.sizes(), " do not match packed codes ", packed.sizes(),
-              " in blocks of ", f.block);
+  STD_TORCH_CHECK(packed.numel() == groups * N * K / 2, name, ": packed codes ", shape(packed),
+                  " are not ", groups, " matrices");
+  STD_TORCH_CHECK(scales.dim() == packed.dim() && scales.numel() == groups * N * (K / f.block) &&
+                      scales.size(-1) == K / f.block,
+                  name, ": scales ", shape(scales), " do not match packed codes ", shape(packed),
+                  " in blocks of ", f.block);
   const float* rs = nullptr;
   if (row_scale.has_value()) {
-    TORCH_CHECK(row_scale->scalar_type() == at::kFloat && row_scale->is_contiguous() &&
-                    row_scale->numel() == groups * N,
-                name, ": row scales must be ", groups * N, " contiguous float32");
-    rs = row_scale->data_ptr<float>();
+    STD_TORCH_CHECK(row_scale->scalar_type() == ScalarType::Float && row_scale->is_contiguous() &&
+                        row_scale->numel() == groups * N,
+                    name, ": row scales must be ", groups * N, " contiguous float32");
+    rs = row_scale->const_data_ptr<float>();
   }
-  return {packed.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), rs, N, K, &f};
+  return {packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<uint8_t>(), rs, N, K, &f};
 }
 
-at::Tensor linear(const at::Tensor& x, const std::string& format, const at::Tensor& packed,
-                  const at::Tensor& scales, const std::optional<at::Tensor>& row_scale) {
+Tensor linear(const Tensor& x, const std::string& format, const Tensor& packed,
+                  const Tensor& scales, const std::optional<Tensor>& row_scale) {
   const Format& f = format_of(format);
-  TORCH_CHECK(packed.dim() == 2, "packed codes must be [N, K/2]");
+  STD_TORCH_CHECK(packed.dim() == 2, "packed codes must be [N, K/2]");
   const Matrix m = matrix(f, packed, scales, row_scale, 1, "weight");
   if (f.block == 32) return tierserve::linear_product(x, blocked<32>(m));
   return tierserve::linear_product(x, blocked<16>(m));
 }
 
-at::Tensor moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
-               const std::string& format, const at::Tensor& gate_up_packed,
-               const at::Tensor& gate_up_scales, const std::optional<at::Tensor>& gate_up_row_scale,
-               const at::Tensor& down_packed, const at::Tensor& down_scales,
-               const std::optional<at::Tensor>& down_row_scale) {
+Tensor moe(const Tensor& x, const Tensor& topk_weights, const Tensor& topk_ids,
+               const std::string& format, const Tensor& gate_up_packed,
+               const Tensor& gate_up_scales, const std::optional<Tensor>& gate_up_row_scale,
+               const Tensor& down_packed, const Tensor& down_scales,
+               const std::optional<Tensor>& down_row_scale) {
   const Format& f = format_of(format);
-  TORCH_CHECK(gate_up_packed.dim() == 3 && down_packed.dim() == 3,
-              "expert codes must be [E, N, K/2]");
+  STD_TORCH_CHECK(gate_up_packed.dim() == 3 && down_packed.dim() == 3,
+                  "expert codes must be [E, N, K/2]");
   const int64_t E = gate_up_packed.size(0);
   const Matrix gate_up = matrix(f, gate_up_packed, gate_up_scales, gate_up_row_scale, E, "gate_up");
   const Matrix down = matrix(f, down_packed, down_scales, down_row_scale, E, "down");
@@ -244,15 +239,18 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Te
                                    blocked<16>(down), E);
 }
 
-}  // namespace
+}  // namespace tierserve::fp4
 
-TORCH_LIBRARY(tierserve_fp4, m) {
+STABLE_TORCH_LIBRARY(tierserve_fp4, m) {
   m.def(
       "linear(Tensor x, str format, Tensor packed, Tensor scales, Tensor? row_scale) -> Tensor");
   m.def(
       "moe(Tensor x, Tensor topk_weights, Tensor topk_ids, str format, Tensor gate_up_packed, "
       "Tensor gate_up_scales, Tensor? gate_up_row_scale, Tensor down_packed, Tensor down_scales, "
       "Tensor? down_row_scale) -> Tensor");
-  m.impl("linear", c10::DispatchKey::CPU, &linear);
-  m.impl("moe", c10::DispatchKey::CPU, &moe);
+}
+
+STABLE_TORCH_LIBRARY_IMPL(tierserve_fp4, CPU, m) {
+  m.impl("linear", TORCH_BOX(&tierserve::fp4::linear));
+  m.impl("moe", TORCH_BOX(&tierserve::fp4::moe));
 }

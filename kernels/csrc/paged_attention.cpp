@@ -4,7 +4,7 @@
 // The op `tierserve_cpu::paged_decode_attention` takes
 //   q [B, H, D] float32, k_cache and v_cache [num_blocks, block_size, KV, D] (float32,
 //   bfloat16 or float16), block_tables [B, W] int64, context_lens [B] int64, scale
-// and returns [B, H, D] float32. Sequences run in parallel on ATen's thread pool.
+// and returns [B, H, D] float32. Sequences run in parallel on torch's threads.
 //
 // Per sequence, keys are read a cache block at a time, each head's dot products over the
 // block's rows (a block comes from memory for the first head, from the L1 cache for the
@@ -14,20 +14,15 @@
 // prompt) run one after another on a thread, so the shared blocks come from the cache the
 // first one warmed: reading them once for the group instead measured no faster.
 //
-// The arithmetic is ATen's own vector types (`at::vec::Vectorized<float>`, what PyTorch's CPU
-// kernels are written in), compiled for the capability PyTorch picks on this machine
-// (`kernels/cpu_attention.py` defines CPU_CAPABILITY): a dot product sums its vector's lanes
-// by halves, and the exponentials are ATen's vectorized `exp_u20`. The compiler's own
-// vectorization of the plain loops ran this op 1.6x slower (it summed lanes one after another
-// and left the exponentials scalar). The head dimension is a template constant for the common
+// The arithmetic is simd.h's vectors, compiled for the capability PyTorch picks on this machine
+// (`kernels/cpu_extension.py` defines CPU_CAPABILITY): a dot product sums its vector's lanes
+// by halves, and the exponentials are vectorized too. The compiler's own vectorization of the
+// plain loops ran this op 1.6x slower (it summed lanes one after another and left the
+// exponentials scalar). The head dimension is a template constant for the common
 // sizes, so a query and a head's weighted sum stay in registers across a block's rows.
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <ATen/ops/empty_like.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <cmath>
@@ -35,35 +30,20 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+#include "simd.h"
+#include "tensors.h"
 
-using Vec = at::vec::Vectorized<float>;
-
-// The sum of a vector's lanes, by halves (ATen's shuffles on AVX2 and AVX-512).
-inline float lane_sum(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
-}
-
-template <typename cache_t>
-inline Vec load_float(const cache_t* p) {
-  if constexpr (std::is_same_v<cache_t, float>) {
-    return Vec::loadu(p);
-  } else {
-    Vec out;
-    at::vec::load_to_float(p, out);
-    return out;
-  }
-}
+namespace tierserve::attention {
 
 // The vectors a head takes when its dimension is known at compile time and fills whole
 // vectors, 0 otherwise: a query or a weighted sum then lives in registers.
 template <int64_t kHeadDim>
 constexpr int64_t kRegisterVecs =
-    kHeadDim > 0 && kHeadDim % Vec::size() == 0 ? kHeadDim / Vec::size() : 0;
+    kHeadDim > 0 && kHeadDim % kLanes == 0 ? kHeadDim / kLanes : 0;
 
 template <int64_t N>
 inline void load(Vec (&v)[N], const float* p) {
-  for (int64_t i = 0; i < N; ++i) v[i] = Vec::loadu(p + i * Vec::size());
+  for (int64_t i = 0; i < N; ++i) v[i] = loadu(p + i * kLanes);
 }
 
 // out[j] = scale * q . k_j for n rows k_j = k + j * stride. With the head dimension known at
@@ -75,17 +55,15 @@ inline void dot_rows(float* out, const float* q, const cache_t* k, int64_t strid
     Vec qv[N];
     load(qv, q);
     for (int64_t j = 0; j < n; ++j, k += stride) {
-      Vec acc(0.0f);
-      for (int64_t i = 0; i < N; ++i)
-        acc = at::vec::fmadd(qv[i], load_float(k + i * Vec::size()), acc);
+      Vec acc{};
+      for (int64_t i = 0; i < N; ++i) acc = fmadd(qv[i], widen(k + i * kLanes), acc);
       out[j] = lane_sum(acc) * scale;
     }
   } else {
     for (int64_t j = 0; j < n; ++j, k += stride) {
-      Vec acc(0.0f);
+      Vec acc{};
       int64_t d = 0;
-      for (; d + Vec::size() <= D; d += Vec::size())
-        acc = at::vec::fmadd(Vec::loadu(q + d), load_float(k + d), acc);
+      for (; d + kLanes <= D; d += kLanes) acc = fmadd(loadu(q + d), widen(k + d), acc);
       float sum = lane_sum(acc);
       for (; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
       out[j] = sum * scale;
@@ -102,17 +80,15 @@ inline void add_weighted_rows(float* a, const float* p, const cache_t* v, int64_
     Vec acc[N];
     load(acc, a);
     for (int64_t j = 0; j < n; ++j, v += stride) {
-      const Vec pj(p[j]);
-      for (int64_t i = 0; i < N; ++i)
-        acc[i] = at::vec::fmadd(pj, load_float(v + i * Vec::size()), acc[i]);
+      const Vec pj = broadcast(p[j]);
+      for (int64_t i = 0; i < N; ++i) acc[i] = fmadd(pj, widen(v + i * kLanes), acc[i]);
     }
-    for (int64_t i = 0; i < N; ++i) acc[i].store(a + i * Vec::size());
+    for (int64_t i = 0; i < N; ++i) storeu(a + i * kLanes, acc[i]);
   } else {
     for (int64_t j = 0; j < n; ++j, v += stride) {
-      const Vec pj(p[j]);
+      const Vec pj = broadcast(p[j]);
       int64_t d = 0;
-      for (; d + Vec::size() <= D; d += Vec::size())
-        at::vec::fmadd(pj, load_float(v + d), Vec::loadu(a + d)).store(a + d);
+      for (; d + kLanes <= D; d += kLanes) storeu(a + d, fmadd(pj, widen(v + d), loadu(a + d)));
       for (; d < D; ++d) a[d] += p[j] * static_cast<float>(v[d]);
     }
   }
@@ -120,12 +96,11 @@ inline void add_weighted_rows(float* a, const float* p, const cache_t* v, int64_
 
 // exp(s - top) in place; returns their sum.
 inline float exponentials(float* s, int64_t len, float top) {
-  const Vec vtop(top);
-  Vec sums(0.0f);
+  Vec sums{};
   int64_t t = 0;
-  for (; t + Vec::size() <= len; t += Vec::size()) {
-    const Vec e = (Vec::loadu(s + t) - vtop).exp_u20();
-    e.store(s + t);
+  for (; t + kLanes <= len; t += kLanes) {
+    const Vec e = exp(loadu(s + t) - top);
+    storeu(s + t, e);
     sums = sums + e;
   }
   float total = lane_sum(sums);
@@ -168,7 +143,7 @@ void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_c
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * D;  // one token's keys (or values), every kv head
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inverse_totals(heads);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = context_lens[b];
@@ -206,14 +181,15 @@ void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_c
 }
 
 template <typename cache_t>
-void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& block_tables, const at::Tensor& context_lens,
-                       at::Tensor& out, double scale) {
+void dispatch_head_dim(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& block_tables, const Tensor& context_lens,
+                       Tensor& out, double scale) {
   const int64_t D = q.size(2);
   auto run = [&](auto kernel) {
-    kernel(q.data_ptr<float>(), k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(),
-           block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-           out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2), D, k_cache.size(1),
+    kernel(q.const_data_ptr<float>(), static_cast<const cache_t*>(k_cache.const_data_ptr()),
+           static_cast<const cache_t*>(v_cache.const_data_ptr()),
+           block_tables.const_data_ptr<int64_t>(), context_lens.const_data_ptr<int64_t>(),
+           out.mutable_data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2), D, k_cache.size(1),
            block_tables.size(1), static_cast<float>(scale));
   };
   switch (D) {
@@ -223,60 +199,64 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at:
   }
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B, H, D] and caches [N, bs, KV, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "k_cache and v_cache must match in shape and dtype");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
-              "head dims differ, or query heads are not a multiple of kv heads");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
-              "block_tables and context_lens must be int64");
-  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
-              "one block table and one context length per query");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  block_tables.is_contiguous() && context_lens.is_contiguous(),
-              "inputs must be contiguous");
+Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache,
+                                  const Tensor& v_cache, const Tensor& block_tables,
+                                  const Tensor& context_lens, double scale) {
+  STD_TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B, H, D] and caches [N, bs, KV, D]");
+  STD_TORCH_CHECK(q.scalar_type() == ScalarType::Float, "q must be float32");
+  STD_TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                      k_cache.sizes() == v_cache.sizes(),
+                  "k_cache and v_cache must match in shape and dtype");
+  STD_TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+                  "head dims differ, or query heads are not a multiple of kv heads");
+  STD_TORCH_CHECK(block_tables.scalar_type() == ScalarType::Long &&
+                      context_lens.scalar_type() == ScalarType::Long,
+                  "block_tables and context_lens must be int64");
+  STD_TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
+                  "one block table and one context length per query");
+  STD_TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                      block_tables.is_contiguous() && context_lens.is_contiguous(),
+                  "inputs must be contiguous");
   // What the loops will read, checked first: a context within its block table, and blocks
   // within the cache.
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.const_data_ptr<int64_t>();
+  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t block_size = k_cache.size(1), width = block_tables.size(1);
   for (int64_t b = 0; b < q.size(0); ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * block_size, "context length ", lens[b],
-                " of sequence ", b, " is not in [1, ", width * block_size,
-                "], what its block table holds");
+    STD_TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * block_size, "context length ", lens[b],
+                    " of sequence ", b, " is not in [1, ", width * block_size,
+                    "], what its block table holds");
     for (int64_t i = 0; i * block_size < lens[b]; ++i)
-      TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < k_cache.size(0), "block ",
-                  tables[b * width + i], " of sequence ", b, " is not in the cache's ",
-                  k_cache.size(0), " blocks");
+      STD_TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < k_cache.size(0),
+                      "block ", tables[b * width + i], " of sequence ", b,
+                      " is not in the cache's ", k_cache.size(0), " blocks");
   }
-  at::Tensor out = at::empty_like(q);
+  Tensor out = empty_float({q.size(0), q.size(1), q.size(2)});
   switch (k_cache.scalar_type()) {
-    case at::kFloat:
+    case ScalarType::Float:
       dispatch_head_dim<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
       break;
-    case at::kBFloat16:
-      dispatch_head_dim<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out,
+    case ScalarType::BFloat16:
+      dispatch_head_dim<BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out,
                                       scale);
       break;
-    case at::kHalf:
-      dispatch_head_dim<at::Half>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+    case ScalarType::Half:
+      dispatch_head_dim<Half>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
       break;
     default:
-      TORCH_CHECK(false, "the cache must be float32, bfloat16 or float16");
+      STD_TORCH_CHECK(false, "the cache must be float32, bfloat16 or float16");
   }
   return out;
 }
 
-}  // namespace
+}  // namespace tierserve::attention
 
-TORCH_LIBRARY(tierserve_cpu, m) {
+STABLE_TORCH_LIBRARY(tierserve_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor context_lens, float scale) -> Tensor");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}
+
+STABLE_TORCH_LIBRARY_IMPL(tierserve_cpu, CPU, m) {
+  m.impl("paged_decode_attention", TORCH_BOX(&tierserve::attention::paged_decode_attention));
 }

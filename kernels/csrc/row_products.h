@@ -18,11 +18,7 @@
 
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <ATen/ops/empty.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <cmath>
@@ -30,43 +26,15 @@
 #include <cstring>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
-#endif
+#include "simd.h"
+#include "tensors.h"
 
 namespace tierserve {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = Vec::size();
 // Activation rows that share one load of a weight vector.
 constexpr int64_t kMaxTile = 8;
 // Weight rows a work item takes at once: what the tiles of one or two activation rows use.
 constexpr int64_t kRowGroup = 4;
-
-// A tile's sums live in the capability's own vector registers: as ATen's `Vectorized`
-// objects, the compiler kept them on the stack too, stored at every step of the tile's loop.
-#if defined(CPU_CAPABILITY_AVX512)
-using Reg = __m512;
-inline Reg zero() { return _mm512_setzero_ps(); }
-inline Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
-inline float lane_sum(Reg v) { return _mm512_reduce_add_ps(v); }
-#elif defined(CPU_CAPABILITY_AVX2)
-using Reg = __m256;
-inline Reg zero() { return _mm256_setzero_ps(); }
-inline Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
-inline float lane_sum(Reg v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#else
-using Reg = Vec;
-inline Reg zero() { return Vec(0.0f); }
-inline Reg fmadd(Reg a, Reg b, Reg c) { return at::vec::fmadd(a, b, c); }
-inline float lane_sum(Reg v) {
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
-}
-#endif
 
 // y[r * ldy + j] = row_scale_j * x_r . w_j for R activation rows x_r = x + r * ldx and NR
 // weight rows w_j. Each weight vector goes into every activation row, and each loaded
@@ -77,18 +45,18 @@ inline void dot_tile(const float* x, int64_t ldx, const Row* rows, int64_t K, fl
                      int64_t ldy) {
   Row w[NR];  // the tile's own copies: a reader's state (an FP4 block's table) stays in registers
   for (int64_t j = 0; j < NR; ++j) w[j] = rows[j];
-  Reg acc[R][NR];
+  Vec acc[R][NR];
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < NR; ++j) acc[r][j] = zero();
+    for (int64_t j = 0; j < NR; ++j) acc[r][j] = Vec{};
   const int64_t whole = K - K % kLanes;
   for (int64_t k = 0; k < whole; k += kLanes) {
-    Reg xv[R];
-    for (int64_t r = 0; r < R; ++r) xv[r] = Vec::loadu(x + r * ldx + k);
+    Vec xv[R];
+    for (int64_t r = 0; r < R; ++r) xv[r] = loadu(x + r * ldx + k);
     for (int64_t j = 0; j < NR; ++j) {
       // Four tiles ahead: rows of a few KB, read four at a time, are too short for the
       // hardware to detect and prefetch as streams.
       w[j].prefetch(k, 4 * NR);
-      const Reg v = w[j].load(k);
+      const Vec v = w[j].load(k);
       for (int64_t r = 0; r < R; ++r) acc[r][j] = fmadd(xv[r], v, acc[r][j]);
     }
   }
@@ -149,7 +117,7 @@ void segmented_product(const float* x, const Matrix& m, const std::vector<Segmen
                        float* out) {
   const int64_t groups = (m.N + kRowGroup - 1) / kRowGroup;
   const int64_t total = static_cast<int64_t>(segments.size()) * groups;
-  at::parallel_for(0, total, 4, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, total, 4, [&](int64_t begin, int64_t end) {
     typename Matrix::Row w[kRowGroup];
     for (int64_t i = begin; i < end; ++i) {
       const Segment& s = segments[i / groups];
@@ -160,19 +128,20 @@ void segmented_product(const float* x, const Matrix& m, const std::vector<Segmen
   });
 }
 
-inline void check_activations(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be contiguous float32 [rows, K]");
-  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
+inline void check_activations(const Tensor& x, int64_t K) {
+  STD_TORCH_CHECK(x.dim() == 2 && x.scalar_type() == ScalarType::Float && x.is_contiguous(),
+                  "x must be contiguous float32 [rows, K]");
+  STD_TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
 }
 
 // x [M, K] @ W.t() for a one-group matrix W [N, K].
 template <class Matrix>
-at::Tensor linear_product(const at::Tensor& x, const Matrix& m) {
+Tensor linear_product(const Tensor& x, const Matrix& m) {
   check_activations(x, m.K);
-  at::Tensor out = at::empty({x.size(0), m.N}, x.options());
+  Tensor out = empty_float({x.size(0), m.N});
   if (x.size(0) > 0)
-    segmented_product(x.data_ptr<float>(), m, {{0, 0, x.size(0)}}, out.data_ptr<float>());
+    segmented_product(x.const_data_ptr<float>(), m, {{0, 0, x.size(0)}},
+                      out.mutable_data_ptr<float>());
   return out;
 }
 
@@ -182,15 +151,15 @@ constexpr int64_t kRowGrain = 64;
 
 // silu(gate) * up of h [S, 2I] (gate columns first) into a [S, I], as torch's silu: g / (1 + e^-g).
 inline void silu_and_mul(const float* h, float* a, int64_t S, int64_t I) {
-  at::parallel_for(0, S, kRowGrain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, S, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const float* g = h + s * 2 * I;
       const float* u = g + I;
       float* o = a + s * I;
       int64_t i = 0;
       for (; i + kLanes <= I; i += kLanes) {
-        const Vec gv = Vec::loadu(g + i);
-        (gv / (Vec(1.0f) + gv.neg().exp()) * Vec::loadu(u + i)).store(o + i);
+        const Vec gv = loadu(g + i);
+        storeu(o + i, gv / (1.0f + exp(-gv)) * loadu(u + i));
       }
       for (; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
     }
@@ -200,29 +169,30 @@ inline void silu_and_mul(const float* h, float* a, int64_t S, int64_t I) {
 // sum_k topk_weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t, k], for
 // x [T, H] and experts gate_up [E, 2I, H], down [E, H, I]. Token slots are sorted by expert,
 // each used expert's slots run as one tile loop over its weight rows (its weights read once
-// a step), and the output rows of all used experts are split over torch's OpenMP threads
-// (`at::parallel_for`), gate/up first, then down.
+// a step), and the output rows of all used experts are split over torch's threads
+// (`torch::stable::parallel_for`), gate/up first, then down.
 template <class Matrix>
-at::Tensor expert_product(const at::Tensor& x, const at::Tensor& topk_weights,
-                          const at::Tensor& topk_ids, const Matrix& gate_up, const Matrix& down,
+Tensor expert_product(const Tensor& x, const Tensor& topk_weights,
+                          const Tensor& topk_ids, const Matrix& gate_up, const Matrix& down,
                           int64_t E) {
   const int64_t H = gate_up.K, I = down.K;
-  TORCH_CHECK(gate_up.N == 2 * I && down.N == H, "gate_up [", E, ", ", gate_up.N, ", ", H,
-              "] and down [", E, ", ", down.N, ", ", I, "] are not the experts of one layer");
+  STD_TORCH_CHECK(gate_up.N == 2 * I && down.N == H, "gate_up [", E, ", ", gate_up.N, ", ", H,
+                  "] and down [", E, ", ", down.N, ", ", I, "] are not the experts of one layer");
   check_activations(x, H);
   const int64_t T = x.size(0);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T && topk_ids.scalar_type() == at::kLong &&
-                  topk_ids.is_contiguous(),
-              "topk_ids must be contiguous int64 [T, k]");
-  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() &&
-                  topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous(),
-              "topk_weights must be contiguous float32 shaped like topk_ids");
+  STD_TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T &&
+                      topk_ids.scalar_type() == ScalarType::Long && topk_ids.is_contiguous(),
+                  "topk_ids must be contiguous int64 [T, k]");
+  STD_TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() &&
+                      topk_weights.scalar_type() == ScalarType::Float &&
+                      topk_weights.is_contiguous(),
+                  "topk_weights must be contiguous float32 shaped like topk_ids");
   const int64_t top_k = topk_ids.size(1), S = T * top_k;
-  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  const int64_t* ids = topk_ids.const_data_ptr<int64_t>();
   // Slots sorted by expert (a counting sort, stable): sorted[p] is the slot at position p.
   std::vector<int64_t> starts(E + 1, 0), sorted(S), position(S);
   for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(ids[s] >= 0 && ids[s] < E, "expert ", ids[s], " is not in the layer's ", E);
+    STD_TORCH_CHECK(ids[s] >= 0 && ids[s] < E, "expert ", ids[s], " is not in the layer's ", E);
     ++starts[ids[s] + 1];
   }
   for (int64_t e = 0; e < E; ++e) starts[e + 1] += starts[e];
@@ -236,32 +206,32 @@ at::Tensor expert_product(const at::Tensor& x, const at::Tensor& topk_weights,
       sorted[position[s]] = s;
     }
   }
-  const float* xp = x.data_ptr<float>();
+  const float* xp = x.const_data_ptr<float>();
   std::vector<float> xs(S * H), h(S * 2 * I), a(S * I), y(S * H);
-  at::parallel_for(0, S, kRowGrain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, S, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       std::memcpy(&xs[p * H], xp + (sorted[p] / top_k) * H, H * sizeof(float));
   });
   segmented_product(xs.data(), gate_up, segments, h.data());
   silu_and_mul(h.data(), a.data(), S, I);
   segmented_product(a.data(), down, segments, y.data());
-  at::Tensor out = at::empty({T, H}, x.options());
-  float* o = out.data_ptr<float>();
-  const float* w = topk_weights.data_ptr<float>();
-  at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+  Tensor out = empty_float({T, H});
+  float* o = out.mutable_data_ptr<float>();
+  const float* w = topk_weights.const_data_ptr<float>();
+  torch::stable::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* ot = o + t * H;
       for (int64_t j = 0; j < top_k; ++j) {
         const int64_t s = t * top_k + j;
         const float* ys = &y[position[s] * H];
-        const Vec wv(w[s]);
+        const Vec wv = broadcast(w[s]);
         int64_t i = 0;
         if (j == 0) {
-          for (; i + kLanes <= H; i += kLanes) (Vec::loadu(ys + i) * wv).store(ot + i);
+          for (; i + kLanes <= H; i += kLanes) storeu(ot + i, loadu(ys + i) * wv);
           for (; i < H; ++i) ot[i] = ys[i] * w[s];
         } else {
           for (; i + kLanes <= H; i += kLanes)
-            at::vec::fmadd(Vec::loadu(ys + i), wv, Vec::loadu(ot + i)).store(ot + i);
+            storeu(ot + i, fmadd(loadu(ys + i), wv, loadu(ot + i)));
           for (; i < H; ++i) ot[i] += ys[i] * w[s];
         }
       }

@@ -140,19 +140,20 @@ def test_the_sdpa_path_where_the_op_cannot_be_built(monkeypatch):
     torch.testing.assert_close(with_sdpa, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_cpp_op_runs_on_torchs_openmp_threads():
-    """Built with OpenMP against the runtime torch loaded (`at::parallel_for` is a region
-    compiled into the op: without -fopenmp it ran on one thread whatever the thread count),
-    and its sequences split over threads give what one thread gives, bit for bit."""
+def test_the_cpp_op_runs_on_torchs_threads():
+    """The ops' parallel regions run inside libtorch (`torch::stable::parallel_for`): the
+    library links no OpenMP runtime of its own, the process maps only torch's, and the op's
+    sequences split over threads give what one thread gives, bit for bit."""
     assert cpu_attention.available()
     from torch.utils import cpp_extension
 
-    name = cpu_extension.library_name("tierserve_cpu_ops", "paged_attention.cpp")
+    name = cpu_extension.library_name()
     built = Path(cpp_extension._get_build_directory(name, False))
     dynamic = subprocess.run(
         ["readelf", "-d", str(built / f"{name}.so")], capture_output=True, text=True
     ).stdout
-    assert "[libgomp.so.1]" in dynamic
+    assert "[libtorch_cpu.so]" in dynamic
+    assert "omp" not in dynamic
     maps = Path("/proc/self/maps").read_text().splitlines()
     runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
     assert runtimes == {str(Path(torch.__file__).parent / "lib" / "libgomp.so.1")}
