@@ -4,8 +4,8 @@ A served engine is ready once its one-row graph is in: one stream decodes at ful
 (`serving/model/decode_graphs.py`). Its larger graphs take most of a cold start, and compiled
 in the serving process after that their tracing and code generation, which are Python, take
 turns with the engine's thread for the GIL: served steps ran several times slower meanwhile.
-Here a second, niced process builds the same engine from the same checkpoint and config, so
-its graphs have the keys the server looks up (`serving/model/precompiled.graph_key`),
+Here a second process, at idle priority, builds the same engine from the same checkpoint and
+config, so its graphs have the keys the server looks up (`serving/model/precompiled.graph_key`),
 compiles them into the whole-graph store and exits; the server then loads them, each in a
 fraction of a second. It takes only the CPU the server leaves, and dies with the server.
 
@@ -40,6 +40,9 @@ def spawn(checkpoint: Path, config: EngineConfig) -> subprocess.Popen:
         stdin=subprocess.PIPE,
         env=env,
     )
+    # Idle priority, which its compiler processes inherit: it runs on what the server leaves.
+    # Set from here, so that its start (Python, its imports) runs at that priority too.
+    os.sched_setscheduler(process.pid, os.SCHED_IDLE, os.sched_param(0))
     assert process.stdin is not None
     process.stdin.write(pickle.dumps(spec))
     process.stdin.close()
@@ -57,7 +60,6 @@ def main() -> None:
     from serving.engine.llm_engine import LLMEngine  # this module is imported by it
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    os.nice(19)
     checkpoint, config, parent = pickle.load(sys.stdin.buffer)
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     engine = LLMEngine.from_checkpoint(checkpoint, config)

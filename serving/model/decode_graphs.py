@@ -223,10 +223,13 @@ class DecodeGraphs:
             target=self._compile, args=(model, inputs), name="decode-graphs", daemon=True
         )
         self._capture.start()
+        self._apart: threading.Thread | None = None  # waits for the compile process
 
     def wait(self) -> None:
         """Until every size is compiled (benchmarks and tests)."""
         self._capture.join()
+        if self._apart is not None:
+            self._apart.join()
 
     def progress(self) -> Progress:
         return Progress(len(self.ready_sizes), len(self.sizes), self.ready, self.done)
@@ -269,16 +272,34 @@ class DecodeGraphs:
                 ", whole graphs in graphs/" if store else "",
             )
             if apart:
-                self._load_compiled_apart(apart)
+                # Waited for from a thread of its own: while this thread, which ran the graphs,
+                # sat blocked waiting, one-row steps ran several times slower (measured; torch's
+                # threads are per calling thread), and ran at full speed once it had ended.
+                self._apart = threading.Thread(
+                    target=self._load_compiled_apart, args=(apart,), name="decode-graphs-apart",
+                    daemon=True,
+                )  # fmt: skip
+                self._apart.start()
         except Exception:
             logger.exception("compiling decode steps failed; they run eagerly")
         finally:
-            self.ready = self.done = True
+            self.ready = True
+            self.done = self._apart is None
 
+    @torch.inference_mode()  # as the graphs were compiled, and as their guards check
     def _load_compiled_apart(self, inputs: list[tuple[_Inputs, Path]]) -> None:
         """Start the process that compiles the sizes of `inputs`, wait for it, and load the
         graphs it stored at their paths. A size it did not store stays uncompiled: its steps
         run in chunks of the largest size compiled."""
+        assert self._compile_apart is not None
+        try:
+            self._load_apart(inputs)
+        except Exception:
+            logger.exception("loading the decode steps compiled apart failed; steps run in chunks")
+        finally:
+            self.done = True
+
+    def _load_apart(self, inputs: list[tuple[_Inputs, Path]]) -> None:
         assert self._compile_apart is not None
         start = time.monotonic()
         sizes = [len(padding.ids) for padding, _ in inputs]
