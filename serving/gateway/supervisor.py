@@ -149,7 +149,7 @@ class Supervisor:
             f"{u.tier} {u.ready_s:.1f} s" if u.ready_s is not None else f"{u.tier} (remote)"
             for u in self.upstreams.values()
         )
-        log.info("ready: every tier serves at full speed, %.1f s after start (%s)",
+        log.info("ready: every tier serves one stream at full speed, %.1f s after start (%s)",
                  now - self._began, times)  # fmt: skip
 
     async def stop(self) -> None:
