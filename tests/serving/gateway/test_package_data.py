@@ -66,12 +66,15 @@ def test_an_installed_wheel_load_tests_with_its_own_locustfile(tmp_path: Path) -
     assert "TierserveUser" in found["users"]
     assert "gateway/dashboards/gateway.json" in set(found["files"])
     assert "model/chat_template.jinja" in found["files"]
-    # The C++ ops' sources and the header they share, which the installed package builds on
-    # first use.
+    # The C++ ops' sources and the headers they share, which the installed package builds on
+    # first use (one library, `ops.cpp` including the others).
     assert [Path(p).name for p in found["csrc"]] == [
         "dense_gemm.cpp",
         "fp4_gemm.cpp",
+        "ops.cpp",
         "paged_attention.cpp",
         "row_products.h",
+        "simd.h",
+        "tensors.h",
     ]
     assert all(Path(p).is_relative_to(target) for p in found["csrc"])
