@@ -30,7 +30,7 @@ gateway routes only to tiers at full speed. Work compiled here after that would 
 its tracing and code generation are Python, which takes turns with the engine's thread for
 the GIL and slowed a tier's steps several times over while it ran. So a server
 (`compile_apart`) compiles here only the one-row graph, which one stream's full speed needs,
-and loads the others once a niced process of their own has compiled and stored them
+and loads the others once an idle-priority process of their own has compiled and stored them
 (`serving/engine/compile_process.py`); until then a step of more rows runs in chunks of the
 largest size in. Without that process every size compiles here before the engine is ready.
 The sizes stop at 8, and a step of more rows (up to `MAX_CHUNKED_ROWS`) runs in chunks of the
