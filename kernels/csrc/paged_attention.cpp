@@ -4,13 +4,13 @@
 // The op `tierserve_cpu::paged_decode_attention` takes
 //   q [B, H, D] float32, k_cache and v_cache [num_blocks, block_size, KV, D] (float32,
 //   bfloat16 or float16), block_tables [B, W] int64, context_lens [B] int64, scale
-// and returns [B, H, D] float32. Sequences run in parallel on torch's threads.
+// and returns [B, H, D] float32. Sequences, and a sequence's kv heads, run in parallel on
+// torch's threads.
 //
-// Per sequence, keys are read a cache block at a time, each head's dot products over the
-// block's rows (a block comes from memory for the first head, from the L1 cache for the
-// others), into fp32 scores; then the softmax's exponentials per head, the weighted sum of
-// the values read the same way, and the division by the exponentials' sum (SDPA's order of
-// operations). Sequences whose block tables share leading blocks (the n samples of one
+// Per sequence and kv head, keys are read a cache block at a time, each key vector loaded once
+// for the dot products of every query head that shares the kv head, into fp32 scores; then the
+// softmax's exponentials per head, the weighted sum of the values read the same way, and the
+// division by the exponentials' sum (SDPA's order of operations). Sequences whose block tables share leading blocks (the n samples of one
 // prompt) run one after another on a thread, so the shared blocks come from the cache the
 // first one warmed: reading them once for the group instead measured no faster.
 //
@@ -18,8 +18,7 @@
 // (`kernels/cpu_extension.py` defines CPU_CAPABILITY): a dot product sums its vector's lanes
 // by halves, and the exponentials are vectorized too. The compiler's own vectorization of the
 // plain loops ran this op 1.6x slower (it summed lanes one after another and left the
-// exponentials scalar). The head dimension is a template constant for the common
-// sizes, so a query and a head's weighted sum stay in registers across a block's rows.
+// exponentials scalar).
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -28,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -35,63 +35,107 @@
 
 namespace tierserve::attention {
 
-// The vectors a head takes when its dimension is known at compile time and fills whole
-// vectors, 0 otherwise: a query or a weighted sum then lives in registers.
-template <int64_t kHeadDim>
-constexpr int64_t kRegisterVecs =
-    kHeadDim > 0 && kHeadDim % kLanes == 0 ? kHeadDim / kLanes : 0;
+// A tile of G query heads that share a kv head, U vectors of each head's dimension at a time:
+// G * U independent sums, so the fused multiply-adds do not wait on each other (one sum of a
+// head's products, one after another, ran at a fraction of the CPU's rate), and each key or
+// value vector loaded serves every head of the tile. G * U is 8, what the 16 registers of
+// AVX2 hold beside the operands.
+template <int G>
+constexpr int kUnroll = G >= 8 ? 1 : 8 / G;
 
-template <int64_t N>
-inline void load(Vec (&v)[N], const float* p) {
-  for (int64_t i = 0; i < N; ++i) v[i] = loadu(p + i * kLanes);
+// scores[g * len + j] = scale * q_g . k_j for the tile's heads g and n rows k_j = k + j * stride.
+// f(i) for i = 0 .. N - 1, each i a compile-time constant: arrays of vectors indexed by them
+// stay in registers (indexed by a loop's counter, GCC kept them in memory, storing every sum
+// on every step).
+template <int N, typename F>
+inline void repeat(F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    (f(std::integral_constant<int, I>{}), ...);
+  }(std::make_integer_sequence<int, N>{});
 }
 
-// out[j] = scale * q . k_j for n rows k_j = k + j * stride. With the head dimension known at
-// compile time q stays in registers; each dot product sums D / lanes vectors, then its lanes.
-template <int64_t kHeadDim, typename cache_t>
-inline void dot_rows(float* out, const float* q, const cache_t* k, int64_t stride, int64_t n,
-                     int64_t D, float scale) {
-  if constexpr (constexpr int64_t N = kRegisterVecs<kHeadDim>; N > 0) {
-    Vec qv[N];
-    load(qv, q);
-    for (int64_t j = 0; j < n; ++j, k += stride) {
-      Vec acc{};
-      for (int64_t i = 0; i < N; ++i) acc = fmadd(qv[i], widen(k + i * kLanes), acc);
-      out[j] = lane_sum(acc) * scale;
+template <int G, typename cache_t>
+inline void dot_rows(float* scores, int64_t len, const float* q, const cache_t* k,
+                     int64_t stride, int64_t n, int64_t D, float scale) {
+  constexpr int U = kUnroll<G>;
+  for (int64_t j = 0; j < n; ++j, k += stride) {
+    Vec acc[G][U];
+    repeat<G>([&](auto g) { repeat<U>([&](auto u) { acc[g][u] = broadcast(0.0f); }); });
+    int64_t d = 0;
+    for (; d + U * kLanes <= D; d += U * kLanes)
+      repeat<U>([&](auto u) {
+        const Vec kv = widen(k + d + u * kLanes);
+        repeat<G>([&](auto g) {
+          acc[g][u] = fmadd(loadu(q + g * D + d + u * kLanes), kv, acc[g][u]);
+        });
+      });
+    if constexpr (U > 1) {
+      for (; d + kLanes <= D; d += kLanes) {
+        const Vec kv = widen(k + d);
+        repeat<G>([&](auto g) { acc[g][0] = fmadd(loadu(q + g * D + d), kv, acc[g][0]); });
+      }
+      repeat<G>([&](auto g) {
+        repeat<U - 1>([&](auto u) { acc[g][0] = acc[g][0] + acc[g][u + 1]; });
+      });
     }
-  } else {
-    for (int64_t j = 0; j < n; ++j, k += stride) {
-      Vec acc{};
-      int64_t d = 0;
-      for (; d + kLanes <= D; d += kLanes) acc = fmadd(loadu(q + d), widen(k + d), acc);
-      float sum = lane_sum(acc);
-      for (; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
-      out[j] = sum * scale;
-    }
+    repeat<G>([&](auto g) {
+      float sum = lane_sum(acc[g][0]);
+      for (int64_t e = d; e < D; ++e) sum += q[g * D + e] * static_cast<float>(k[e]);
+      scores[g * len + j] = sum * scale;
+    });
   }
 }
 
-// a += sum_j p[j] * v_j for n rows v_j = v + j * stride, in row order. With the head dimension
-// known at compile time the sum stays in registers across the rows.
-template <int64_t kHeadDim, typename cache_t>
-inline void add_weighted_rows(float* a, const float* p, const cache_t* v, int64_t stride,
-                              int64_t n, int64_t D) {
-  if constexpr (constexpr int64_t N = kRegisterVecs<kHeadDim>; N > 0) {
-    Vec acc[N];
-    load(acc, a);
-    for (int64_t j = 0; j < n; ++j, v += stride) {
-      const Vec pj = broadcast(p[j]);
-      for (int64_t i = 0; i < N; ++i) acc[i] = fmadd(pj, widen(v + i * kLanes), acc[i]);
-    }
-    for (int64_t i = 0; i < N; ++i) storeu(a + i * kLanes, acc[i]);
-  } else {
-    for (int64_t j = 0; j < n; ++j, v += stride) {
-      const Vec pj = broadcast(p[j]);
-      int64_t d = 0;
-      for (; d + kLanes <= D; d += kLanes) storeu(a + d, fmadd(pj, widen(v + d), loadu(a + d)));
-      for (; d < D; ++d) a[d] += p[j] * static_cast<float>(v[d]);
-    }
+// o_g += sum_j p[g * len + j] * v_j for the tile's heads g and n rows v_j = v + j * stride, in
+// row order.
+template <int G, typename cache_t>
+inline void add_weighted_rows(float* o, const float* p, int64_t len, const cache_t* v,
+                              int64_t stride, int64_t n, int64_t D) {
+  constexpr int U = kUnroll<G>;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t b = 0; b < D * int64_t(sizeof(cache_t)); b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(v + j * stride) + b, 0, 3);
+  int64_t d = 0;
+  // U vectors of each head at a time, then the last few one at a time.
+  auto columns = [&]<int W>(std::integral_constant<int, W>) {
+    Vec acc[G][W];
+    repeat<G>([&](auto g) {
+      repeat<W>([&](auto u) { acc[g][u] = loadu(o + g * D + d + u * kLanes); });
+    });
+    const cache_t* row = v + d;
+    for (int64_t j = 0; j < n; ++j, row += stride)
+      repeat<W>([&](auto u) {
+        const Vec vv = widen(row + u * kLanes);
+        repeat<G>([&](auto g) { acc[g][u] = fmadd(broadcast(p[g * len + j]), vv, acc[g][u]); });
+      });
+    repeat<G>([&](auto g) {
+      repeat<W>([&](auto u) { storeu(o + g * D + d + u * kLanes, acc[g][u]); });
+    });
+    d += W * kLanes;
+  };
+  while (d + U * kLanes <= D) columns(std::integral_constant<int, U>{});
+  while (d + kLanes <= D) columns(std::integral_constant<int, 1>{});
+  for (; d < D; ++d)
+    for (int g = 0; g < G; ++g)
+      for (int64_t j = 0; j < n; ++j)
+        o[g * D + d] += p[g * len + j] * static_cast<float>(v[j * stride + d]);
+}
+
+// f(h, tile) over a group's heads in tiles of 8, 4, 2 and 1, `tile` the tile's size as a
+// compile-time constant.
+template <typename F>
+inline void for_each_head_tile(int64_t group, F&& f) {
+  int64_t h = 0;
+  for (; h + 8 <= group; h += 8) f(h, std::integral_constant<int, 8>{});
+  if (h + 4 <= group) {
+    f(h, std::integral_constant<int, 4>{});
+    h += 4;
   }
+  if (h + 2 <= group) {
+    f(h, std::integral_constant<int, 2>{});
+    h += 2;
+  }
+  if (h < group) f(h, std::integral_constant<int, 1>{});
 }
 
 // exp(s - top) in place; returns their sum.
@@ -112,52 +156,63 @@ inline float exponentials(float* s, int64_t len, float top) {
 }
 
 // f(t, rows, n) for each run of a sequence's first `len` tokens that lies in one cache block:
-// the run starts at token t, `rows` its n tokens' cached values, `row_size` a token (every kv
-// head), walked block by block through the sequence's block table.
+// the run starts at token t, `rows` its n tokens' cached values of one kv head (`row_size`
+// apart: a token holds every kv head's), walked block by block through the sequence's block
+// table. `cache` starts at that kv head's values of a token; each token's `head_size` values
+// of it are what is read.
 //
-// While f reads a block, the next one is fetched into the L2 cache. The blocks lie anywhere
-// in the cache, and hardware prefetchers stop at 4 KiB page boundaries, so without this a long
-// context's read waits on memory every few rows: at 380 keys (the rollouts' 64 sequences)
-// the op ran 1.4x faster with it. Into L1 instead (prefetcht0) it measured no faster: the
-// fetches then compete with the rows being read.
+// While f reads a block, that kv head's values in the next one are fetched into the L2 cache.
+// The blocks lie anywhere in the cache, and hardware prefetchers stop at 4 KiB page boundaries,
+// so without this a long context's read waits on memory every few rows: at 380 keys (the
+// rollouts' 64 sequences) the op ran 1.4x faster with it. Into L1 instead (prefetcht0) it
+// measured no faster: the fetches then compete with the rows being read.
 template <typename cache_t, typename F>
 inline void for_each_block(const cache_t* cache, const int64_t* table, int64_t len,
-                           int64_t block_size, int64_t row_size, F&& f) {
-  const int64_t block_bytes = block_size * row_size * sizeof(cache_t);
+                           int64_t block_size, int64_t row_size, int64_t head_size, F&& f) {
+  const int64_t head_bytes = head_size * sizeof(cache_t);
   for (int64_t start = 0, i = 0; start < len; start += block_size, ++i) {
     if (start + block_size < len) {
-      const auto* next =
-          reinterpret_cast<const char*>(cache + table[i + 1] * block_size * row_size);
-      for (int64_t b = 0; b < block_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);  // L2
+      const auto* next = cache + table[i + 1] * block_size * row_size;
+      for (int64_t r = 0; r < block_size; ++r) {
+        const auto* bytes = reinterpret_cast<const char*>(next + r * row_size);
+        for (int64_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(bytes + b, 0, 2);  // L2
+      }
     }
     f(start, cache + table[i] * block_size * row_size, std::min(block_size, len - start));
   }
 }
 
-// kHeadDim > 0 fixes the head dimension at compile time; 0 reads it at run time.
-template <typename cache_t, int64_t kHeadDim>
+// The work is split into (sequence, kv head) pairs, each the query heads that share a kv
+// head: one long sequence then keeps every thread reading its cache, where one thread per
+// sequence had left the others idle (decode of one stream at long context). A pair reads only
+// its kv head's values of each token.
+template <typename cache_t>
 void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_cache,
                       const int64_t* block_tables, const int64_t* context_lens, float* out,
                       int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
                       int64_t block_size, int64_t table_width, float scale) {
-  const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
+  const int64_t D = head_dim;
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * D;  // one token's keys (or values), every kv head
-  torch::stable::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, inverse_totals(heads);
-    for (int64_t b = begin; b < end; ++b) {
+  torch::stable::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, inverse_totals(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, kv = item % kv_heads;
       const int64_t len = context_lens[b];
       const int64_t* table = block_tables + b * table_width;
-      const float* qb = q + b * heads * D;
-      float* o = out + b * heads * D;
-      scores.resize(heads * len);
-      // A block's rows come from memory for its first head, from the L1 cache for the others.
-      for_each_block(k_cache, table, len, block_size, row, [&](int64_t t, auto keys, int64_t n) {
-        for (int64_t h = 0; h < heads; ++h)
-          dot_rows<kHeadDim>(scores.data() + h * len + t, qb + h * D, keys + (h / group) * D, row,
-                             n, D, scale);
-      });
-      for (int64_t h = 0; h < heads; ++h) {
+      const float* qb = q + (b * heads + kv * group) * D;
+      float* o = out + (b * heads + kv * group) * D;
+      scores.resize(group * len);
+      // A block's rows come from memory for the group's first head, from the L1 cache for
+      // the others.
+      for_each_block(k_cache + kv * D, table, len, block_size, row, D,
+                     [&](int64_t t, auto keys, int64_t n) {
+                       for_each_head_tile(group, [&](int64_t h, auto tile) {
+                         dot_rows<decltype(tile)::value>(scores.data() + h * len + t, len,
+                                                         qb + h * D, keys, row, n, D, scale);
+                       });
+                     });
+      for (int64_t h = 0; h < group; ++h) {
         float* s = scores.data() + h * len;
         const float top = *std::max_element(s, s + len);
         inverse_totals[h] = 1.0f / exponentials(s, len, top);
@@ -167,36 +222,30 @@ void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_c
           for (int64_t t = 0; t < len; ++t) s[t] = static_cast<float>(static_cast<cache_t>(s[t]));
         }
       }
-      std::fill_n(o, heads * D, 0.0f);
-      for_each_block(v_cache, table, len, block_size, row, [&](int64_t t, auto values, int64_t n) {
-        for (int64_t h = 0; h < heads; ++h)
-          add_weighted_rows<kHeadDim>(o + h * D, scores.data() + h * len + t,
-                                      values + (h / group) * D, row, n, D);
-      });
+      std::fill_n(o, group * D, 0.0f);
+      for_each_block(v_cache + kv * D, table, len, block_size, row, D,
+                     [&](int64_t t, auto values, int64_t n) {
+                       for_each_head_tile(group, [&](int64_t h, auto tile) {
+                         add_weighted_rows<decltype(tile)::value>(
+                             o + h * D, scores.data() + h * len + t, len, values, row, n, D);
+                       });
+                     });
       // The division by the exponentials' sum comes last, as SDPA's does.
-      for (int64_t h = 0; h < heads; ++h)
+      for (int64_t h = 0; h < group; ++h)
         for (int64_t d = 0; d < D; ++d) o[h * D + d] *= inverse_totals[h];
     }
   });
 }
 
 template <typename cache_t>
-void dispatch_head_dim(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
-                       const Tensor& block_tables, const Tensor& context_lens,
-                       Tensor& out, double scale) {
-  const int64_t D = q.size(2);
-  auto run = [&](auto kernel) {
-    kernel(q.const_data_ptr<float>(), static_cast<const cache_t*>(k_cache.const_data_ptr()),
-           static_cast<const cache_t*>(v_cache.const_data_ptr()),
-           block_tables.const_data_ptr<int64_t>(), context_lens.const_data_ptr<int64_t>(),
-           out.mutable_data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2), D, k_cache.size(1),
-           block_tables.size(1), static_cast<float>(scale));
-  };
-  switch (D) {
-    case 64: return run(decode_attention<cache_t, 64>);
-    case 128: return run(decode_attention<cache_t, 128>);
-    default: return run(decode_attention<cache_t, 0>);
-  }
+void run(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+         const Tensor& block_tables, const Tensor& context_lens, Tensor& out, double scale) {
+  decode_attention(q.const_data_ptr<float>(),
+                   static_cast<const cache_t*>(k_cache.const_data_ptr()),
+                   static_cast<const cache_t*>(v_cache.const_data_ptr()),
+                   block_tables.const_data_ptr<int64_t>(), context_lens.const_data_ptr<int64_t>(),
+                   out.mutable_data_ptr<float>(), q.size(0), q.size(1), k_cache.size(2),
+                   q.size(2), k_cache.size(1), block_tables.size(1), static_cast<float>(scale));
 }
 
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache,
@@ -234,14 +283,14 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache,
   Tensor out = empty_float({q.size(0), q.size(1), q.size(2)});
   switch (k_cache.scalar_type()) {
     case ScalarType::Float:
-      dispatch_head_dim<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+      run<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
       break;
     case ScalarType::BFloat16:
-      dispatch_head_dim<BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out,
+      run<BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out,
                                       scale);
       break;
     case ScalarType::Half:
-      dispatch_head_dim<Half>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+      run<Half>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
       break;
     default:
       STD_TORCH_CHECK(false, "the cache must be float32, bfloat16 or float16");

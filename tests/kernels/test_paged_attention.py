@@ -45,7 +45,14 @@ def reference(q, k_cache, v_cache, block_tables, context_lens, scale):
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(4, 2, 64, 16), (8, 1, 32, 16), (6, 2, 48, 8), (4, 4, 64, 4), (2, 1, 128, 16)],
+    [
+        (4, 2, 64, 16),
+        (8, 1, 32, 16),
+        (6, 2, 48, 8),
+        (4, 4, 64, 4),
+        (2, 1, 128, 16),
+        (16, 2, 256, 16),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matches_sdpa_on_the_gathered_cache(kernel, heads, kv_heads, head_dim, block_size, dtype):
