@@ -18,7 +18,7 @@ its cost depends on the length alone, and prefilling 32k tokens of the full-atte
 eagerly on a small CPU would take most of the run.
 
     python loadtests/bench_hybrid.py [--context 32768] [--repeats 10] [--threads 2]
-        [--shape qwen3-next-width|half-width]
+        [--shape qwen3-next-width|half-width] [--kv-cache-dtype float32|bfloat16]
 """
 
 import argparse
@@ -29,6 +29,7 @@ import torch
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.engine.sequence import Sequence
+from serving.model.dtype import DTYPES
 from serving.model.hybrid.config import FULL, LINEAR, HybridConfig
 from serving.model.hybrid.model import HybridCausalLM
 from serving.model.hybrid.paged import hybrid_kv_bytes_per_block
@@ -82,20 +83,24 @@ def config(shape: dict, hybrid: bool) -> HybridConfig:
     return HybridConfig(layer_types=types, **shape)
 
 
-def formula_bytes(cfg: HybridConfig, tokens: int, dtype: torch.dtype) -> int:
-    """KV cache and state of one sequence of `tokens` tokens, by the engine's formulas."""
+def formula_bytes(
+    cfg: HybridConfig, tokens: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> int:
+    """KV cache (in `kv_dtype`, default the model's) and state of one sequence of `tokens`
+    tokens, by the engine's formulas."""
     blocks = -(-tokens // BLOCK)
-    return blocks * hybrid_kv_bytes_per_block(cfg, BLOCK, dtype) + state_bytes_per_slot(cfg, dtype)
+    kv = hybrid_kv_bytes_per_block(cfg, BLOCK, kv_dtype or dtype)
+    return blocks * kv + state_bytes_per_slot(cfg, dtype)
 
 
-def build_engine(cfg: HybridConfig, context: int) -> LLMEngine:
+def build_engine(cfg: HybridConfig, context: int, kv_dtype: str) -> LLMEngine:
     torch.manual_seed(0)
     model = HybridCausalLM(cfg).eval()
-    kv = hybrid_kv_bytes_per_block(cfg, BLOCK, torch.float32)
     # Two sequences: the long context's and the short one's, each with its slot.
-    blocks = -(-(context + 1) // BLOCK) + -(-(SHORT + 1) // BLOCK)
-    budget = blocks * kv + 2 * state_bytes_per_slot(cfg, torch.float32)
-    return LLMEngine(model, EngineConfig(max_num_seqs=2, kv_cache_bytes=budget), eos_token_ids=[])
+    budget = formula_bytes(cfg, context + 1, torch.float32, DTYPES[kv_dtype])
+    budget += formula_bytes(cfg, SHORT + 1, torch.float32, DTYPES[kv_dtype])
+    config = EngineConfig(max_num_seqs=2, kv_cache_bytes=budget, kv_cache_dtype=kv_dtype)
+    return LLMEngine(model, config, eos_token_ids=[])
 
 
 def allocated_bytes(engine: LLMEngine, tokens: int) -> int:
@@ -151,6 +156,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-next-width")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=list(DTYPES), default="float32", help="both models' caches"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ctx = args.context
@@ -165,12 +173,12 @@ def main() -> None:
     engines, measured = {}, []
     for hybrid in (True, False):
         cfg = config(SHAPES[args.shape], hybrid)
-        engines[hybrid] = engine = build_engine(cfg, ctx)
+        engines[hybrid] = engine = build_engine(cfg, ctx, args.kv_cache_dtype)
         measured.append(allocated_bytes(engine, ctx))
-        if measured[-1] != formula_bytes(cfg, ctx, torch.float32):
+        if measured[-1] != formula_bytes(cfg, ctx, torch.float32, DTYPES[args.kv_cache_dtype]):
             raise AssertionError("the engine allocates other than its formulas say")
     params = [sum(p.numel() for p in engines[h].model.parameters()) / 1e6 for h in (True, False)]
-    label = f"{args.shape}, fp32 ({params[0]:.0f}M / {params[1]:.0f}M params)"
+    label = f"{args.shape}, fp32, {args.kv_cache_dtype} KV ({params[0]:.0f}M / {params[1]:.0f}M)"
     print(f"{label:<44} {_mib(measured[0])} {_mib(measured[1])} "
           f"{measured[0] / measured[1]:>5.2f}x")  # fmt: skip
 

@@ -66,8 +66,18 @@ def _warn_fallback(name: str, where: str, fallback: str) -> None:
 def resolve_kv_cache_dtype(
     name: str, model_dtype: torch.dtype, device: torch.device = CPU
 ) -> torch.dtype:
-    """`auto` is the model's dtype."""
-    return model_dtype if name == "auto" else resolve_dtype(name, None, device)
+    """`auto` is the model's dtype. On a CPU a named dtype is only how keys and values are
+    stored: attention widens them to the model's dtype as it reads them, exactly, so a CPU
+    with no native bf16 products still keeps a bf16 cache, half the bytes a long context
+    reads each step. On a GPU the cache's dtype is the attention kernels' operand dtype, so it
+    must be one the GPU computes in."""
+    if name == "auto":
+        return model_dtype
+    if device.type == "cuda":
+        return resolve_dtype(name, None, device)
+    if name not in DTYPES:
+        raise UnsupportedDtypeError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def is_supported(dtype: torch.dtype, device: torch.device = CPU) -> bool:

@@ -19,7 +19,7 @@ from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.gateway.config import GatewayConfig, GatewayConfigError, check_checkpoints
 from serving.gateway.supervisor import engine_command
 from serving.model.device import UnsupportedDeviceError, kv_cache_budget, resolve_device
-from serving.model.dtype import UnsupportedDtypeError, resolve_dtype
+from serving.model.dtype import UnsupportedDtypeError, resolve_dtype, resolve_kv_cache_dtype
 from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig
 from tests import REPO
@@ -63,6 +63,30 @@ def test_a_cpu_without_bfloat16_serves_a_bfloat16_checkpoint_in_float32(monkeypa
     assert "computing in float32" in caplog.text
     engine = LLMEngine.from_checkpoint(TARGET, EngineConfig(dtype="auto"))
     assert engine.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_a_cpu_without_bfloat16_still_stores_a_bfloat16_kv_cache(monkeypatch):
+    """A cache dtype is storage, widened as attention reads it: greedy decoding of the
+    trained full tier in fp32 over a bf16 cache picks the fp32 cache's tokens, with logprobs
+    within bf16's rounding of the keys and values."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32) == torch.bfloat16
+    with pytest.raises(UnsupportedDtypeError, match="not one of"):
+        resolve_kv_cache_dtype("float8", torch.float32)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    outputs = {}
+    for kv in ("float32", "bfloat16"):
+        config = EngineConfig(dtype="float32", kv_cache_dtype=kv, enforce_eager=True)
+        engine = LLMEngine.from_checkpoint(REPO / "models" / "demo-full", config)
+        assert engine.runner.model.layers[0].self_attn.k_cache.dtype == getattr(torch, kv)
+        prompt = engine.tokenizer.encode("<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n")
+        [[outputs[kv]]] = engine.generate([prompt], params)
+    assert outputs["bfloat16"].token_ids == outputs["float32"].token_ids
+    fp32, bf16 = (
+        torch.tensor([lp.logprob for lp in outputs[kv].logprobs]) for kv in ("float32", "bfloat16")
+    )
+    assert len(fp32) == 24
+    torch.testing.assert_close(bf16, fp32, atol=0.05, rtol=0)
 
 
 def test_the_kv_cache_gets_the_share_the_weights_leave(monkeypatch):
