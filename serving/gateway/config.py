@@ -24,7 +24,12 @@ from pydantic import (
 from serving.model.checkpoint import check_checkpoint
 from serving.model.config import CheckpointError
 from serving.model.device import DEVICE_CHOICES, UnsupportedDeviceError, resolve_device
-from serving.model.dtype import DTYPE_CHOICES, UnsupportedDtypeError, resolve_dtype
+from serving.model.dtype import (
+    DTYPE_CHOICES,
+    UnsupportedDtypeError,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from speculative.config import SpeculativeConfig
 
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -291,8 +296,8 @@ def check_checkpoints(config: GatewayConfig) -> None:
         try:
             saved = check_checkpoint(tier_config.model)
             device = resolve_device(tier_config.device)
-            for name in (tier_config.dtype, tier_config.kv_cache_dtype):
-                resolve_dtype(name, saved, device)
+            dtype = resolve_dtype(tier_config.dtype, saved, device)
+            resolve_kv_cache_dtype(tier_config.kv_cache_dtype, dtype, device)
         except (CheckpointError, UnsupportedDtypeError, UnsupportedDeviceError) as e:
             raise GatewayConfigError(f"tiers.{tier}: {e}") from e
 

@@ -10,8 +10,8 @@ from serving.gateway.config import GatewayConfig, GatewayConfigError, check_chec
 from serving.gateway.supervisor import engine_command
 
 
-def _config(model: Path, dtype: str) -> GatewayConfig:
-    tier = {"model": str(model), "dtype": dtype, "kv_cache_dtype": "auto"}
+def _config(model: Path, dtype: str, kv_cache_dtype: str = "auto") -> GatewayConfig:
+    tier = {"model": str(model), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype}
     fast = tier | {"served_model_name": "fast"}
     return GatewayConfig.model_validate({"tiers": {"full": tier, "highspeed": fast}})
 
@@ -39,3 +39,14 @@ def test_a_tier_dtype_the_cpu_lacks_is_a_config_error(
 ) -> None:
     with pytest.raises(GatewayConfigError, match=r"tiers\.full: .*float16"):
         check_checkpoints(_config(random_checkpoint, "float16"))
+
+
+def test_a_half_precision_kv_cache_needs_no_native_products(
+    random_checkpoint: Path, no_native_float16: None
+) -> None:
+    """The cache is storage: an fp32 tier keeps an fp16 one where the CPU computes no fp16."""
+    config = _config(random_checkpoint, "float32", kv_cache_dtype="float16")
+    check_checkpoints(config)
+    command = engine_command(config.tiers.full, 8123)
+    args = build_parser(command_modules()).parse_args(command[command.index("engine") :])
+    assert args.kv_cache_dtype == "float16"
