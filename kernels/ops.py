@@ -9,7 +9,10 @@ tensors: Triton on CUDA, the PyTorch paths (`kernels/reference.py`, SDPA, BLAS) 
   step as the C++ op of `kernels/cpu_dense.py` (chosen there, in `SparseMoE`);
 - decode attention over the paged KV cache: `paged_decode_attention`, Triton on CUDA and the
   C++ op of `kernels/cpu_attention.py` on a CPU, or SDPA on the gathered cache where that op
-  cannot be built (no C++ compiler; a warning says so).
+  cannot be built (no C++ compiler; a warning says so);
+- the gated delta rule's sequential parts (Gated DeltaNet layers): Triton on CUDA
+  (`kernels/triton_delta_rule.py`), the PyTorch forms of `serving/model/hybrid/delta_rule.py`
+  elsewhere.
 
 Callers branch on `use_triton` and call the Triton ops through here, so a test can force the
 Triton side on a CPU under `TRITON_INTERPRET=1` by patching `use_triton`. Nothing else falls
@@ -130,3 +133,25 @@ def has_paged_decode_attention(device: torch.device) -> bool:
     """Whether `paged_decode_attention` runs on `device`: always on CUDA; on a CPU once its C++
     op is built (the first call builds it)."""
     return use_triton(device) or (device.type == "cpu" and cpu_attention.available())
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token-by-token gated delta rule in Triton (`kernels.triton_delta_rule`)."""
+    from kernels.triton_delta_rule import recurrent_gated_delta_rule
+
+    return recurrent_gated_delta_rule(q, k, v, g, beta, state)
+
+
+def delta_rule_chunk_recurrence(*terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked gated delta rule's chunk-to-chunk recurrence in Triton
+    (`kernels.triton_delta_rule.chunk_recurrence`)."""
+    from kernels.triton_delta_rule import chunk_recurrence
+
+    return chunk_recurrence(*terms)

@@ -1,6 +1,6 @@
 """The paged decode-attention kernels, Triton's and the CPU's C++ op, against SDPA on the
 gathered cache: GQA groups of 1-8 heads (also not a power of two), head dims with and without
-padding (and the C++ op's compile-time and run-time head dims), block sizes, and context
+padding, block sizes, and context
 lengths of one token, at and across block boundaries, and odd, with block tables in random
 order whose padding holds blocks of other sequences."""
 

@@ -15,10 +15,16 @@ prefill in chunks followed by decode steps computes exactly the one long recurre
 Tensors are [B, H, L, D] with q and k already l2-normalised and q scaled; g and beta are
 [B, H, L]. Everything runs in fp32; the state is fp32 [B, H, Dk, Dv]. A token with g = 0 and
 beta = 0 leaves the state as it was: how padding passes through.
+
+On CUDA the sequential parts, the token-by-token recurrence and the chunk-to-chunk one, run
+as Triton kernels that hold the state in registers (`kernels/triton_delta_rule.py`); the
+work within chunks stays the batched PyTorch below on every device.
 """
 
 import torch
 import torch.nn.functional as F
+
+from kernels import ops
 
 CHUNK_SIZE = 64
 
@@ -43,6 +49,8 @@ def recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs [B, H, L, Dv] and the state after the last token, one token at a time."""
     s = _zero_state(k, v) if state is None else state.float()
+    if ops.use_triton(q.device):
+        return ops.recurrent_gated_delta_rule(q, k, v, g, beta, s)
     out = torch.empty_like(v)
     for t in range(q.shape[2]):
         s = s * g[:, :, t, None, None].exp()
@@ -97,11 +105,29 @@ def chunked_gated_delta_rule(
     scores = q @ k.transpose(-1, -2) * decay  # causal within the chunk
     q_decayed = q * gamma.exp()[..., None]
     k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
-    chunk_decay = gamma[..., -1].exp()[..., None, None]
+    chunk_decay = gamma[..., -1].exp()
 
-    out = torch.empty_like(v)
-    for c in range(chunks):
+    terms = (reads, fresh, q_decayed, scores, k_to_end, chunk_decay)
+    if ops.use_triton(q.device):
+        out, s = ops.delta_rule_chunk_recurrence(*terms, s)
+    else:
+        out, s = _chunk_recurrence(*terms, s)
+    return out.view(b, h, chunks * chunk_size, -1)[:, :, :length], s
+
+
+def _chunk_recurrence(
+    reads: torch.Tensor,
+    fresh: torch.Tensor,
+    q_decayed: torch.Tensor,
+    scores: torch.Tensor,
+    k_to_end: torch.Tensor,
+    chunk_decay: torch.Tensor,
+    s: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks one after another: each one's deltas need the state the chunks before left."""
+    out = torch.empty_like(fresh)
+    for c in range(fresh.shape[2]):
         delta = fresh[:, :, c] - reads[:, :, c] @ s
         out[:, :, c] = q_decayed[:, :, c] @ s + scores[:, :, c] @ delta
-        s = s * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ delta
-    return out.view(b, h, chunks * chunk_size, -1)[:, :, :length], s
+        s = s * chunk_decay[:, :, c, None, None] + k_to_end[:, :, c].transpose(-1, -2) @ delta
+    return out, s
