@@ -125,7 +125,7 @@ def _chunk_recurrence(
     s: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunks one after another: each one's deltas need the state the chunks before left."""
-    out = torch.empty_like(fresh)
+    out = fresh.new_empty(fresh.shape)  # contiguous: `fresh` is a view into the solve's result
     for c in range(fresh.shape[2]):
         delta = fresh[:, :, c] - reads[:, :, c] @ s
         out[:, :, c] = q_decayed[:, :, c] @ s + scores[:, :, c] @ delta
