@@ -4,8 +4,10 @@ Its memory budget goes to DeltaNet state slots first, one per sequence that may 
 (`max_num_seqs`), and the rest to KV blocks for the full-attention layers alone, so a hybrid
 model holds several times the context of a full-attention one in the same budget. It runs
 eagerly and without prefix caching (a cached block would need the DeltaNet state at its
-boundary, which is not kept), and refuses speculative decoding (a DeltaNet state cannot drop
-rejected drafts as a KV cache does).
+boundary, which is not kept). Speculative decoding keeps, in a verify step, the DeltaNet
+state after every draft, and the sequence keeps the one after its last accepted token (a
+DeltaNet state cannot drop rejected drafts as a KV cache does); n-gram and draft-model
+drafters, not MTP, whose layers the family's checkpoints do not carry here.
 """
 
 import logging
@@ -38,8 +40,11 @@ def hybrid_parts(
 ) -> tuple[HybridModelRunner, BlockManager, StateSlots]:
     """The runner, block manager and state slots of an engine serving `model` in `budget`
     bytes of cache."""
-    if config.speculative is not None:
-        raise ValueError("speculative decoding is not supported for hybrid (Qwen3-Next) models")
+    if config.speculative is not None and config.speculative.method == "mtp":
+        raise ValueError(
+            "MTP speculative decoding is not supported for hybrid (Qwen3-Next) models: their "
+            "MTP layers are not loaded; use method ngram or draft"
+        )
     if not config.enforce_eager:
         log.info("hybrid (Qwen3-Next) model: every step runs eagerly (no compiled decode steps)")
     if config.enable_prefix_caching:

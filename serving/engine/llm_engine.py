@@ -332,6 +332,8 @@ class LLMEngine:
         if not s.num_draft_tokens:
             return self._append(seq, s.token_ids[0], s.logprobs[0] if s.logprobs else None, now)
         self.speculator.record(seq, s.num_draft_tokens, len(s.token_ids) - 1)
+        if seq.state_slot is not None:  # a hybrid model's DeltaNet state drops the rejected
+            self.runner.keep_verified(seq.state_slot, len(s.token_ids))
         delta = SequenceOutput(seq.index)
         for i, token in enumerate(s.token_ids):
             seq.num_computed_tokens += 1  # the token before this one is now in the cache

@@ -158,6 +158,5 @@ def _span(seq: Sequence, n: int) -> TokenSpan:
     """The next n tokens a sequence feeds: the rest of its tokens, then its drafts."""
     p = seq.num_computed_tokens
     tokens = seq.token_ids[p : p + n]
-    if len(tokens) < n:
-        tokens = tokens + seq.draft_token_ids[: n - len(tokens)]
-    return TokenSpan(seq.block_table, p, tokens, seq.state_slot)
+    drafts = seq.draft_token_ids[: n - len(tokens)]
+    return TokenSpan(seq.block_table, p, tokens + drafts, seq.state_slot, len(drafts))

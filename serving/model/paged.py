@@ -51,6 +51,7 @@ class TokenSpan:
     start: int
     token_ids: list[int]
     state_slot: int | None = None  # a hybrid model's DeltaNet state slot (`hybrid/slots.py`)
+    num_drafts: int = 0  # the last of `token_ids` that are drafts to verify
 
 
 def prepare_spans(

@@ -61,11 +61,15 @@ class SlotGroup:
     length: int
     slots: torch.Tensor  # [rows] long: each row's slot
     lengths: torch.Tensor  # [rows] long: `length` in every row
+    verify: bool = False  # a span of drafts to verify: the state after each token is kept
 
 
-def slot_groups(lengths: list[int], slots: list[int], device: torch.device) -> list[SlotGroup]:
+def slot_groups(
+    lengths: list[int], slots: list[int], verify: list[bool], device: torch.device
+) -> list[SlotGroup]:
     """The groups of a step whose spans (`lengths` tokens each, single tokens first, as the
-    flat token array lays them out) hold `slots`."""
+    flat token array lays them out) hold `slots`; `verify` marks the spans that end in
+    drafts."""
     singles = 0
     while singles < len(lengths) and lengths[singles] == 1:
         singles += 1
@@ -73,14 +77,19 @@ def slot_groups(lengths: list[int], slots: list[int], device: torch.device) -> l
     if singles:
         groups.append(_group(0, singles, 1, slots[:singles], device))
     offset = singles
-    for n, slot in zip(lengths[singles:], slots[singles:], strict=True):
-        groups.append(_group(offset, 1, n, [slot], device))
+    for n, slot, drafts in zip(lengths[singles:], slots[singles:], verify[singles:], strict=True):
+        groups.append(_group(offset, 1, n, [slot], device, drafts))
         offset += n
     return groups
 
 
 def _group(
-    offset: int, rows: int, length: int, slots: list[int], device: torch.device
+    offset: int,
+    rows: int,
+    length: int,
+    slots: list[int],
+    device: torch.device,
+    verify: bool = False,
 ) -> SlotGroup:
     lengths = torch.full((rows,), length, dtype=torch.long, device=device)
-    return SlotGroup(offset, rows, length, torch.tensor(slots, device=device), lengths)
+    return SlotGroup(offset, rows, length, torch.tensor(slots, device=device), lengths, verify)

@@ -46,19 +46,24 @@ def recurrent_gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor | None = None,
+    every_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Outputs [B, H, L, Dv] and the state after the last token, one token at a time."""
+    """Outputs [B, H, L, Dv] and the state after the last token, one token at a time; with
+    `every_state`, the state after each token instead, [B, H, L, Dk, Dv] (a verified
+    speculation keeps the one after its last accepted token)."""
     s = _zero_state(k, v) if state is None else state.float()
-    if ops.use_triton(q.device):
+    if ops.use_triton(q.device) and not every_state:
         return ops.recurrent_gated_delta_rule(q, k, v, g, beta, s)
     out = torch.empty_like(v)
+    states = []
     for t in range(q.shape[2]):
         s = s * g[:, :, t, None, None].exp()
         predicted = (k[:, :, t, :, None] * s).sum(-2)  # S^T k: [B, H, Dv]
         delta = beta[:, :, t, None] * (v[:, :, t] - predicted)
         s = s + k[:, :, t, :, None] * delta[:, :, None, :]
         out[:, :, t] = (q[:, :, t, :, None] * s).sum(-2)
-    return out, s
+        states.append(s)
+    return out, torch.stack(states, dim=2) if every_state else s
 
 
 def chunked_gated_delta_rule(

@@ -11,6 +11,8 @@ serves; `in_proj_ba` likewise the write strengths (b) and decay inputs (a). The 
 kept as stored and taken apart here, so weights load without reshuffling.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,6 +55,8 @@ class GatedDeltaNet(nn.Module):
         # The engine's per-sequence states, [slots, ...] (`slots.py`); None outside the engine.
         self.conv_slots: torch.Tensor | None = None
         self.recurrent_slots: torch.Tensor | None = None
+        # By slot, the state after each token of the slot's last verify step (`forward_slots`).
+        self.verify_states: dict[int, LinearState] = {}
 
     def forward(
         self,
@@ -60,9 +64,12 @@ class GatedDeltaNet(nn.Module):
         token_mask: torch.Tensor | None,
         lengths: torch.Tensor,
         state: LinearState | None,
+        every_state: bool = False,
     ) -> tuple[torch.Tensor, LinearState | None]:
         """x [B, L, hidden] -> [B, L, hidden], and the state after each row's last real token
-        when a state is given (a call without one starts from zeros and keeps none).
+        when a state is given (a call without one starts from zeros and keeps none); with
+        `every_state`, the state after each token, its tensors with a dimension L after B
+        (rows without padding: the engine's verify steps).
 
         `token_mask` [B, L] is True on real tokens (None: no padding), `lengths` [B] counts
         them; rows are right-padded (`batch.PaddedBatch`)."""
@@ -98,6 +105,8 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalize(heads(q, dk)).repeat_interleave(g_, dim=1) * dk**-0.5
         k = l2_normalize(heads(k, dk)).repeat_interleave(g_, dim=1)
         rule = recurrent_gated_delta_rule if length == 1 else chunked_gated_delta_rule
+        if every_state:
+            rule = functools.partial(recurrent_gated_delta_rule, every_state=True)
         out, recurrent = rule(
             q, k, heads(v, dv), g.transpose(1, 2), beta.transpose(1, 2),
             None if state is None else state.recurrent,
@@ -107,6 +116,11 @@ class GatedDeltaNet(nn.Module):
         y = self.out_proj(out.reshape(b, length, self.value_dim))
         if state is None:
             return y, None
+        if every_state:
+            tails = [
+                self._conv_tail(window, torch.full_like(lengths, t + 1)) for t in range(length)
+            ]
+            return y, LinearState(torch.stack(tails, 1), recurrent.transpose(1, 2))
         return y, LinearState(self._conv_tail(window, lengths), recurrent)
 
     def forward_slots(self, x: torch.Tensor, groups: list[SlotGroup]) -> torch.Tensor:
@@ -118,12 +132,24 @@ class GatedDeltaNet(nn.Module):
             end = g.offset + g.rows * g.length
             state = LinearState(self.conv_slots[g.slots], self.recurrent_slots[g.slots])
             y, state = self.forward(
-                x[g.offset : end].view(g.rows, g.length, -1), None, g.lengths, state
-            )
+                x[g.offset : end].view(g.rows, g.length, -1), None, g.lengths, state,
+                every_state=g.verify,
+            )  # fmt: skip
+            if g.verify:  # every draft position's state, for `keep_verified`; the last one now
+                for row, slot in enumerate(g.slots.tolist()):
+                    self.verify_states[slot] = LinearState(state.conv[row], state.recurrent[row])
+                state = LinearState(state.conv[:, -1], state.recurrent[:, -1])
             self.conv_slots.index_copy_(0, g.slots, state.conv.to(self.conv_slots.dtype))
             self.recurrent_slots.index_copy_(0, g.slots, state.recurrent)
             out[g.offset : end] = y.view(-1, y.shape[-1])
         return out
+
+    def keep_verified(self, slot: int, tokens: int) -> None:
+        """Give `slot` the state after the first `tokens` tokens of its last verify step:
+        a DeltaNet state cannot drop rejected drafts the way a KV cache overwrites them."""
+        states = self.verify_states.pop(slot)
+        self.conv_slots[slot] = states.conv[tokens - 1]
+        self.recurrent_slots[slot] = states.recurrent[tokens - 1]
 
     def _conv_tail(self, window: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The last `kernel - 1` inputs up to each row's last real token: row b's tail ends at

@@ -16,7 +16,7 @@ from serving.model.causal_lm import pack_for_inference
 from serving.model.hybrid.batch import slot_groups
 from serving.model.hybrid.config import FULL, HybridConfig
 from serving.model.hybrid.model import HybridCausalLM
-from serving.model.hybrid.slots import attach_slots, copy_slot, reset_slots
+from serving.model.hybrid.slots import attach_slots, copy_slot, deltanet_layers, reset_slots
 from serving.model.paged import (
     TokenSpan,
     layer_kv_bytes_per_block,
@@ -94,5 +94,12 @@ class PagedHybridModel:
         if fresh:
             reset_slots(self.model, fresh)
         ids, positions, meta = self.prepare(spans)
-        groups = slot_groups([len(s.token_ids) for s in spans], slots, self.device)
+        lengths = [len(s.token_ids) for s in spans]
+        groups = slot_groups(lengths, slots, [s.num_drafts > 0 for s in spans], self.device)
         return self.model.forward_paged(ids, positions, meta, groups)
+
+    def keep_verified(self, slot: int, tokens: int) -> None:
+        """After a verify step, the sequence in `slot` keeps its state after the step's first
+        `tokens` tokens (its last token and the drafts accepted), not after every draft."""
+        for layer in deltanet_layers(self.model):
+            layer.keep_verified(slot, tokens)

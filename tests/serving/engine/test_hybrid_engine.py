@@ -240,7 +240,43 @@ def test_from_checkpoint_serves_a_hybrid_checkpoint(tmp_path):
     assert engine.state_slots is not None and not engine.blocks.enable_prefix_caching
     [[out]] = engine.generate([engine.tokenizer.encode("hello")], GREEDY)
     assert len(out.token_ids) == GREEDY.max_tokens
-    with pytest.raises(ValueError, match="speculative decoding is not supported"):
+    with pytest.raises(ValueError, match="MTP speculative decoding is not supported"):
         LLMEngine.from_checkpoint(
-            tmp_path, EngineConfig(speculative=SpeculativeConfig(method="ngram"))
+            tmp_path, EngineConfig(speculative=SpeculativeConfig(method="mtp"))
         )
+
+
+def test_speculative_greedy_equals_plain_greedy(checkpoint, reference):
+    """n-gram drafts verified against the DeltaNet state kept after every draft: each
+    sequence goes on from its state after the last accepted token, so greedy tokens equal
+    plain greedy decoding and their logprobs plain decoding's, in a batch, through accepted
+    and rejected drafts alike."""
+    prompts = _prompts([12, 30, 9], seed=3)
+    prompts = [p + p[:6] + p + p[:6] for p in prompts]  # repeats for the n-gram drafter
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+    expected = [_greedy(reference, p, params.max_tokens) for p in prompts]
+    [plain] = zip(*_engine(checkpoint, max_num_seqs=3).generate(prompts, params), strict=True)
+    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    engine = _engine(checkpoint, speculative=speculative, max_num_seqs=3)
+    got: dict[str, list] = {}
+    counts = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.outputs[0].logprobs)
+            if out.finished:
+                counts.append(out.spec)
+    for i, want in enumerate(expected):
+        assert [lp.token_id for lp in got[f"r{i}"]] == want == plain[i].token_ids
+        torch.testing.assert_close(
+            torch.tensor([lp.logprob for lp in got[f"r{i}"]]),
+            torch.tensor([lp.logprob for lp in plain[i].logprobs]),
+            atol=1e-4,
+            rtol=0,
+        )
+    drafted = sum(c.num_draft_tokens for c in counts)
+    accepted = sum(c.num_accepted_tokens for c in counts)
+    assert 0 < accepted < drafted  # drafts were both kept and rejected
+    linear = [layer.linear_attn for layer in engine.model.layers if layer.is_linear]
+    assert all(not layer.verify_states for layer in linear)  # none left behind
