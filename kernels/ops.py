@@ -135,18 +135,12 @@ def has_paged_decode_attention(device: torch.device) -> bool:
     return use_triton(device) or (device.type == "cpu" and cpu_attention.available())
 
 
-def recurrent_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The token-by-token gated delta rule in Triton (`kernels.triton_delta_rule`)."""
+def recurrent_gated_delta_rule(*tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token-by-token gated delta rule in Triton
+    (`kernels.triton_delta_rule.recurrent_gated_delta_rule`: q, k, v, g, beta, state)."""
     from kernels.triton_delta_rule import recurrent_gated_delta_rule
 
-    return recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    return recurrent_gated_delta_rule(*tensors)
 
 
 def delta_rule_chunk_recurrence(*terms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _state_tile(state_ptr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_V: tl.constexpr):  # fmt: skip
+    """This program's tile of its (sequence, head)'s state: all key rows, a tile of value
+    columns; with the offsets and mask that store it back, and the key and value indices."""
+    keys = tl.arange(0, BLOCK_K)
+    values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    tile = tl.program_id(0) * DK * DV + keys[:, None] * DV + values[None, :]
+    tile_ok = (keys < DK)[:, None] & (values < DV)[None, :]
+    return tl.load(state_ptr + tile, mask=tile_ok, other=0.0), tile, tile_ok, keys, values
+
+
+@triton.jit
 def _recurrent_kernel(
     q_ptr,
     k_ptr,
@@ -39,12 +51,8 @@ def _recurrent_kernel(
     BLOCK_V: tl.constexpr,
 ):
     seq_head = tl.program_id(0)
-    keys = tl.arange(0, BLOCK_K)
-    values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    s, tile, tile_ok, keys, values = _state_tile(state_ptr, DK, DV, BLOCK_K, BLOCK_V)
     key_ok, value_ok = keys < DK, values < DV
-    tile = seq_head * DK * DV + keys[:, None] * DV + values[None, :]
-    tile_ok = key_ok[:, None] & value_ok[None, :]
-    s = tl.load(state_ptr + tile, mask=tile_ok, other=0.0)
     for t in range(length):
         token = seq_head * length + t
         k = tl.load(k_ptr + token * DK + keys, mask=key_ok, other=0.0)
@@ -77,12 +85,8 @@ def _chunk_kernel(
 ):
     seq_head = tl.program_id(0)
     rows = tl.arange(0, CHUNK)
-    keys = tl.arange(0, BLOCK_K)
-    values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    s, tile, tile_ok, keys, values = _state_tile(state_ptr, DK, DV, BLOCK_K, BLOCK_V)
     key_ok, value_ok = keys < DK, values < DV
-    tile = seq_head * DK * DV + keys[:, None] * DV + values[None, :]
-    tile_ok = key_ok[:, None] & value_ok[None, :]
-    s = tl.load(state_ptr + tile, mask=tile_ok, other=0.0)
     for c in range(chunks):
         chunk = seq_head * chunks + c
         by_key = chunk * CHUNK * DK + rows[:, None] * DK + keys[None, :]
