@@ -21,8 +21,8 @@ def test_trainers_advance_the_one_bar_of_the_run() -> None:
         assert run.bar.n == 5 and run.bar.total == 10
         assert run.bar.desc == "sft-think/full2 3/4"
         bar.close()
-        progress.note("held-out evaluation")
-        assert run.bar.desc == "sft-think/full2: held-out evaluation"
+        progress.note("held-out evaluation of sft-think")
+        assert run.bar.desc == "held-out evaluation of sft-think"
         with pytest.raises(RuntimeError), progress.run_progress(1, 0):
             pass
     assert progress._active is None

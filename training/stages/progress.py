@@ -29,8 +29,9 @@ class RunProgress:
         self.bar.set_description_str(name)
 
     def note(self, text: str) -> None:
-        """Work between training steps (data, evaluation), shown until the next step."""
-        self.bar.set_description_str(f"{self.stage}: {text}" if self.stage else text)
+        """Work between training steps (an evaluation, the router's tasks), which names what
+        it works on, shown until the next run begins."""
+        self.bar.set_description_str(text)
 
     def close(self) -> None:
         self.bar.close()
