@@ -167,9 +167,10 @@ def test_tiers_that_lose_to_the_models_they_replace_are_not_published(
     shipped = tmp_path / "models" / "smoke-full"
     shipped.mkdir(parents=True)
     (shipped / "config.json").write_text("{}")  # the model the new full tier would replace
+    (shipped / "model.safetensors").write_bytes(b"weights")
     with pytest.raises(GateError, match=r"full: math: 50\.0% vs baseline 90\.0%"):
         recipes.run_recipe("smoke", work, tmp_path / "models")
-    assert sorted(p.name for p in shipped.iterdir()) == ["config.json"]  # left as it was
+    assert sorted(p.name for p in shipped.iterdir()) == ["config.json", "model.safetensors"]
     assert (work / "candidates" / "smoke-full" / "from").exists()
     summary = json.loads((work / "recipe-summary.json").read_text())
     assert list(summary["not_published"]) == ["full"]  # nothing was there for highspeed

@@ -12,6 +12,7 @@ shipped ones) only when neither tier loses a domain to the model it replaces by 
 whose settings were changed for the worse, then cannot silently overwrite better models.
 """
 
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,7 +48,10 @@ def replacement_regressions(
         old = replaced[tier]
         if not (old / "config.json").exists():
             continue
-        baseline = evaluate(old, gate_dir / f"eval-replaced-{tier}.json")
+        # Named by the replaced weights: a report is reused only for the model it measured
+        # (after a run publishes, the next run's gate measures what it published).
+        weights = hashlib.sha256((old / "model.safetensors").read_bytes()).hexdigest()[:12]
+        baseline = evaluate(old, gate_dir / f"eval-replaced-{tier}-{weights}.json")
         lost = harness.regressions(rows, {"summary": baseline}, max_drop)
         if lost:
             failures[tier] = lost
