@@ -17,7 +17,7 @@ from pathlib import Path
 from router.commands import add_eval_router, add_train_router
 from router.learned import RouterFileError
 from router.outcomes import OutcomeError
-from training.config import ConfigError
+from training.config import ConfigError, read_stage_file
 
 USER_ERRORS = (ConfigError, RouterFileError, OutcomeError)
 
@@ -41,21 +41,31 @@ def run_stage_command(args: argparse.Namespace) -> None:
         if getattr(args, key, None) is not None:
             fields[key] = str(getattr(args, key))
     config = load_stage_config(args.config, args.set, **fields)
+    if args.config is not None and read_stage_file(args.config)[1]:
+        print(
+            f"{args.config}: its [[phase]] list is the chain `tierserve train recipe` runs; "
+            "this command trains the file's own settings, one run",
+            file=sys.stderr,
+        )
     print(f"model: {run_stage(config, args.out)}")
 
 
 def run_recipe_command(args: argparse.Namespace) -> None:
     _require_training_extra()
+    from training.recipes.gate import GateError
     from training.recipes.run import run_recipe
 
     work = args.work or Path("runs") / args.name
-    published = run_recipe(args.name, work, args.models)
+    try:
+        published = run_recipe(args.name, work, args.models)
+    except GateError as e:
+        sys.exit(f"regression gate: {e}")
     for tier, path in published.items():
         print(f"{tier}: {path}")
 
 
 def run_tokenizer_command(args: argparse.Namespace) -> None:
-    from training.recipes.run import build_tokenizer
+    from training.recipes.tokenizer import build_tokenizer
 
     print(build_tokenizer(args.out, args.vocab_size, args.examples))
 

@@ -3,6 +3,11 @@
 Every knob a stage has is a field here with its default; a TOML file overrides some of them,
 and `--set key=value` on the command line overrides the file (for quick experiments).
 Unknown keys are errors, so a typo cannot silently leave a default in force.
+
+Two keys of a stage file are not fields: `extends = "other.toml"` takes that file's settings
+(beside it) as the base this file overrides, so a variant states only how it differs; and a
+`[[phase]]` list, the continuations a recipe runs one after another
+(`training/recipes/phases.py`). A stage command trains a file's base settings.
 """
 
 import tomllib
@@ -223,11 +228,42 @@ class RegressionSpec(BaseModel):
     max_drop: float = Field(2.0, ge=0)
 
 
+class RouterSpec(BaseModel):
+    """The router stage: both shipped tiers play the same tasks, and the learned router
+    trains on where the full tier was needed (`router/learned.py`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int = 1  # an evaluation run seed other than the held-out tables' (`[eval] seed`)
+    n: int = Field(200, ge=1)  # tasks per domain and difficulty
+    difficulties: list[int] = [1, 2, 3]
+    max_tokens: int = Field(512, ge=1)
+    target_full_share: float = Field(0.3, ge=0, le=1)
+
+
+# The chain's stages in the order they run; a recipe names the ones it has (`stages`).
+RECIPE_STAGES = (
+    "tokenizer",
+    "pretrain",
+    "sft-think",
+    "sft-short",
+    "qat-short",
+    "mtp-short",
+    "dpo",
+    "rl",
+    "draft",
+    "router",
+    "gate",
+)
+REQUIRED_STAGES = ("tokenizer", "pretrain", "sft-think", "sft-short", "draft")
+
+
 class RecipeConfig(BaseModel):
     """A recipe's `recipe.toml`: what is not one stage's (the stages have their own TOMLs)."""
 
     model_config = ConfigDict(extra="forbid")
 
+    stages: list[str]
     tokenizer: TokenizerSpec
     highspeed: HighspeedSpec = HighspeedSpec()
     # Recommended sampling (temperature, top_p, top_k...) for each model's generation_config.json
@@ -235,6 +271,20 @@ class RecipeConfig(BaseModel):
     eval: EvalSpec = EvalSpec()
     draft_agreement: DataConfig = DataConfig(examples=200, seed=1_000_000_000)
     regression: RegressionSpec = RegressionSpec()
+    router: RouterSpec = RouterSpec()
+
+    @field_validator("stages")
+    @classmethod
+    def _a_chain(cls, stages: list[str]) -> list[str]:
+        unknown = [s for s in stages if s not in RECIPE_STAGES]
+        if unknown:
+            raise ValueError(f"unknown stages {unknown}; choose from {list(RECIPE_STAGES)}")
+        missing = [s for s in REQUIRED_STAGES if s not in stages]
+        if missing:
+            raise ValueError(f"a recipe needs the stages {missing}")
+        if stages != sorted(set(stages), key=RECIPE_STAGES.index):
+            raise ValueError(f"stages run once each, in the order {list(RECIPE_STAGES)}")
+        return stages
 
 
 def load_recipe_config(path: Path) -> RecipeConfig:
@@ -269,19 +319,51 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def merged(base: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+    """`layer` over `base`, table by table: `{train = {steps = 5}}` keeps the base's other
+    `train` keys."""
+    out = dict(base)
+    for key, value in layer.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_stage_file(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A stage file's base settings (with what it `extends` under them) and its `[[phase]]`
+    list; the extended file's own phases are not this file's."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"{path}: {e}") from e
+    phases = raw.pop("phase", [])
+    if not isinstance(phases, list) or not all(isinstance(p, dict) for p in phases):
+        raise ConfigError(f"{path}: `phase` must be a list of tables ([[phase]])")
+    parent = raw.pop("extends", None)
+    if parent is not None:
+        if not isinstance(parent, str) or (path.parent / parent).resolve() == path.resolve():
+            raise ConfigError(f"{path}: `extends` names another TOML file beside it")
+        raw = merged(read_stage_file(path.parent / parent)[0], raw)
+    return raw, phases
+
+
 def load_config(
     path: str | Path | None,
     overrides: list[str] | None,
     validate: Callable[[dict[str, Any]], T],
+    layers: Iterable[dict[str, Any]] = (),
     **defaults: Any,
 ) -> T:
-    """`defaults`, then the TOML file at `path`, then `--set` overrides, validated."""
+    """`defaults`, then the TOML file at `path`, then each of `layers` (a recipe phase's
+    settings), then `--set` overrides, validated."""
     raw: dict[str, Any] = dict(defaults)
     if path is not None:
-        try:
-            raw.update(tomllib.loads(Path(path).read_text(encoding="utf-8")))
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"{path}: {e}") from e
+        raw.update(read_stage_file(path)[0])
+    for layer in layers:
+        raw = merged(raw, layer)
     for item in overrides or []:
         _set_dotted(raw, *parse_override(item))
     try:

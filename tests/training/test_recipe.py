@@ -49,12 +49,24 @@ def test_every_stage_leaves_a_model_curves_and_logs(smoke: Path) -> None:
         assert (run / "curves.png").stat().st_size > 1000
         assert len((run / "log.jsonl").read_text().splitlines()) >= 3
         assert (run / "model" / "model.safetensors").exists()
-    assert (smoke / "runs" / "sft-think" / "eval-step-3.md").read_text().startswith("| domain")
+    think = smoke / "runs" / "sft-think"
+    assert (think / "a" / "eval-step-3.md").read_text().startswith("| domain")
+    assert "reward/" in (think / "rl-a" / "log.jsonl").read_text()  # RL between SFT phases
+    assert [json.loads(line)["run"] for line in (think / "log.jsonl").read_text().splitlines()] == [
+        *["a"] * 3,
+        *["rl-a"] * 3,
+        *["b"] * 2,
+    ]
+    assert not list(smoke.glob("runs/*/*/checkpoints"))  # finished phases keep no optimizer
+    assert (think / "model" / "model.safetensors").read_bytes() == (
+        think / "b" / "model" / "model.safetensors"
+    ).read_bytes()
     summary = json.loads((smoke / "runs" / "recipe-summary.json").read_text())
     assert set(summary["sizes_mb"]) == {"full", "highspeed", "draft"}
     assert 0.0 <= summary["draft_agreement"] <= 1.0
     assert summary["full_stages"] == ["sft-think", "dpo", "rl"]
     assert summary["shipped_full"] in summary["full_stages"]
+    assert summary["runs"]["sft-short/st-b"] == 2 and summary["not_published"] == {}
     shipped = smoke / "models" / "smoke-highspeed" / "model.safetensors"
     assert (
         shipped.read_bytes()
@@ -63,8 +75,62 @@ def test_every_stage_leaves_a_model_curves_and_logs(smoke: Path) -> None:
     out = (smoke / "stdout.txt").read_text()
     for stage in (*summary["full_stages"], "sft-short", "qat-short"):
         assert f"### {stage}" in out  # every post-training stage's table, by name
+        assert (smoke / "runs" / f"eval-{stage}.md").read_text().startswith("| domain")
     assert (smoke / "runs" / "dpo" / "win-rates.md").read_text().startswith("| objective")
     assert "reward/" in (smoke / "runs" / "rl" / "log.jsonl").read_text()
+    router = json.loads((smoke / "runs" / "router" / "summary.json").read_text())
+    assert router["paired_tasks"] == 4  # one task a domain at difficulty 1, both tiers
+    assert (smoke / "models" / "router.npz").read_bytes() == (
+        smoke / "runs" / "router" / "router.npz"
+    ).read_bytes()
+    assert "sft-think/rl-a" in (smoke / "models" / "smoke-full" / "README.md").read_text()
+
+
+def _fake_chain(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rates: dict[str, float]
+) -> tuple[Path, dict[str, str]]:
+    """The smoke recipe with a 2-point regression gate, every run and evaluation faked: a
+    stage's model completes `rates[stage]` of math."""
+    from training.recipes import run as recipes
+
+    strict = tmp_path / "strict"
+    shutil.copytree(recipes.recipe_dir("smoke"), strict)
+    toml = (strict / "recipe.toml").read_text().replace("max_drop = 100.0", "max_drop = 2.0")
+    (strict / "recipe.toml").write_text(toml)
+    inits: dict[str, str] = {}
+
+    def run_stage(config, out: Path) -> Path:
+        inits[out.name] = getattr(config, "init", "")
+        (out / "model").mkdir(parents=True, exist_ok=True)
+        (out / "log.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0, "lr": 1e-3}) + "\n")
+        (out / "evals.json").write_text("[]")
+        (out / "summary.json").write_text("{}")
+        return out / "model"
+
+    def evaluate(model_dir: Path, spec: object, out: Path) -> list[dict]:
+        rate = rates[model_dir.parent.name]
+        row = {"domain": "math", "difficulty": "all", "n": 10, "completion_rate": rate}
+        return [row | {"completion_ci": (rate, rate), "mean_reward": (rate, 0.0)}
+                | {"output_tokens": (9.0, 1.0), "latency_s": (0.1, 0.0)}]  # fmt: skip
+
+    def publish(model_dir: Path, target: Path, *_: object) -> None:
+        target.mkdir(parents=True)
+        (target / "from").write_text(str(model_dir))
+
+    def train_router(models: dict, domains: list, spec: object, out: Path, _: object) -> Path:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "router.npz").write_bytes(b"router")
+        return out / "router.npz"
+
+    monkeypatch.setattr(recipes, "recipe_dir", lambda name: strict)
+    monkeypatch.setattr(recipes, "build_tokenizer", lambda out, *_: out)
+    monkeypatch.setattr(recipes, "run_stage", run_stage)
+    monkeypatch.setattr(recipes, "evaluate_model", evaluate)
+    monkeypatch.setattr(recipes, "draft_agreement", lambda *_: 0.5)
+    monkeypatch.setattr(recipes, "publish", publish)
+    monkeypatch.setattr(recipes, "train_router", train_router)
+    monkeypatch.setattr(recipes, "size_mb", lambda _: 1.0)
+    return tmp_path / "runs", inits
 
 
 def test_the_regression_gate_keeps_only_stages_that_lose_no_domain(
@@ -75,39 +141,39 @@ def test_the_regression_gate_keeps_only_stages_that_lose_no_domain(
     from training.recipes import run as recipes
 
     rates = {"sft-think": 0.5, "sft-short": 0.5, "qat-short": 0.5, "dpo": 0.6, "rl": 0.3}
-    strict = tmp_path / "strict"
-    shutil.copytree(recipes.recipe_dir("smoke"), strict)
-    toml = (strict / "recipe.toml").read_text().replace("max_drop = 100.0", "max_drop = 2.0")
-    (strict / "recipe.toml").write_text(toml)
-    inits: dict[str, str] = {}
-
-    def run_stage(config, out: Path) -> Path:
-        inits[out.name] = getattr(config, "init", "")
-        (out / "model").mkdir(parents=True, exist_ok=True)
-        return out / "model"
-
-    def evaluate(model_dir: Path, recipe: object, out: Path) -> list[dict]:
-        rate = rates[model_dir.parent.name]
-        row = {"domain": "math", "difficulty": "all", "n": 10, "completion_rate": rate}
-        return [row | {"completion_ci": (rate, rate), "mean_reward": (rate, 0.0)}
-                | {"output_tokens": (9.0, 1.0), "latency_s": (0.1, 0.0)}]  # fmt: skip
-
-    monkeypatch.setattr(recipes, "recipe_dir", lambda name: strict)
-    monkeypatch.setattr(recipes, "build_tokenizer", lambda out, *_: out)
-    monkeypatch.setattr(recipes, "run_stage", run_stage)
-    monkeypatch.setattr(recipes, "evaluate_model", evaluate)
-    monkeypatch.setattr(recipes, "draft_agreement", lambda *_: 0.5)
-    monkeypatch.setattr(recipes, "recommend_sampling", lambda *_: None)
-    monkeypatch.setattr(recipes, "write_card", lambda *_: None)
-    monkeypatch.setattr(recipes, "_size_mb", lambda _: 1.0)
-    recipes.run_recipe("smoke", tmp_path / "runs", tmp_path / "models")
-    summary = json.loads((tmp_path / "runs" / "recipe-summary.json").read_text())
+    work, inits = _fake_chain(monkeypatch, tmp_path, rates)
+    recipes.run_recipe("smoke", work, tmp_path / "models")
+    summary = json.loads((work / "recipe-summary.json").read_text())
     assert summary["full_stages"] == ["sft-think", "dpo"] and summary["shipped_full"] == "dpo"
     assert summary["rejected"] == {
         "rl": "against dpo: math: 30.0% vs baseline 60.0% (-30.0 points > 2.0)"
     }
     assert "### rl (not kept: against dpo: math" in summary["tables"]["full"]
-    assert inits["draft"] == str(tmp_path / "runs" / "dpo" / "model")  # distilled from the kept
+    assert inits["draft"] == str(work / "dpo" / "model")  # distilled from the kept
+    assert inits["rl"] == str(work / "dpo" / "model")
+    assert inits["st-a"] == str(work / "sft-think" / "a" / "model")
+    assert (tmp_path / "models" / "smoke-full" / "from").read_text() == str(work / "dpo" / "model")
+    assert (tmp_path / "models" / "router.npz").read_bytes() == b"router"
+
+
+def test_tiers_that_lose_to_the_models_they_replace_are_not_published(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from training.recipes import run as recipes
+    from training.recipes.gate import GateError
+
+    rates = {"sft-think": 0.5, "sft-short": 0.5, "qat-short": 0.5, "dpo": 0.5, "rl": 0.5}
+    work, _ = _fake_chain(monkeypatch, tmp_path, rates | {"models": 0.9})
+    shipped = tmp_path / "models" / "smoke-full"
+    shipped.mkdir(parents=True)
+    (shipped / "config.json").write_text("{}")  # the model the new full tier would replace
+    (shipped / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(GateError, match=r"full: math: 50\.0% vs baseline 90\.0%"):
+        recipes.run_recipe("smoke", work, tmp_path / "models")
+    assert sorted(p.name for p in shipped.iterdir()) == ["config.json", "model.safetensors"]
+    assert (work / "candidates" / "smoke-full" / "from").exists()
+    summary = json.loads((work / "recipe-summary.json").read_text())
+    assert list(summary["not_published"]) == ["full"]  # nothing was there for highspeed
 
 
 @pytest.mark.parametrize("tier", ["full", "highspeed", "draft"])

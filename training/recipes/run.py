@@ -1,46 +1,59 @@
-"""Recipes: the whole chain from nothing to the three shipped models.
+"""Recipes: the whole chain from nothing to the shipped models, in one command.
 
-tokenizer -> pretrain (the base MoE, with MTP) -> SFT in the think style (the full tier) ->
-the highspeed student: the think-style model cut to some of its decoder layers (`[highspeed]
-keep_layers` in recipe.toml), fine-tuned in the short style and distilled from the think-style
-model -> with a `qat.toml`, quantization-aware SFT of the student, whose FP4 export is the
-highspeed tier that ships -> with an `mtp.toml`, that model's MTP head trained alone on its own
-greedy answers -> the full
-tier's post-training stages that the recipe has (`dpo.toml`, `rl.toml`), each evaluated on
-held-out tasks against the model before it -> a dense drafter distilled from the full model
-that ships -> model cards with every stage's table, and the three Hugging Face directories
-under `models/`. Every stage resumes where it stopped when the recipe is run again. A recipe
-is a directory of TOML files (`training/recipes/NAME/`).
+A recipe is a directory of small TOML files (`training/recipes/NAME/`): `recipe.toml` names
+its stages (`stages`, in the order of `training.config.RECIPE_STAGES`) and what is not one
+stage's; each training stage has its own file, whose `[[phase]]` list, where it has one, is the
+chain of continuations that stage is (`phases.py`). The chain:
 
-The regression gate: a post-training stage's model is kept only when no domain completes
-fewer held-out tasks than the model before it by more than `[regression] max_drop` points;
-otherwise the next stage starts from the model before it, and the card says which stage was
-not kept and why. The full tier ships the kept stage with the best mean completion.
+tokenizer -> pretrain (the base MoE, with MTP) -> sft-think, the full tier's SFT curriculum
+(with RL runs between its phases where the recipe has them) -> sft-short, the highspeed student:
+the think-style model cut to some of its decoder layers (`[highspeed] keep_layers`), fine-tuned
+in the short style and distilled from think-style models -> qat-short, quantization-aware SFT
+of the student, whose FP4 export is the highspeed tier -> mtp-short, that model's MTP head
+trained alone on its own greedy answers -> dpo, rl: the full tier's post-training, each
+evaluated on held-out tasks against the model before it and kept only when it loses no domain
+(`gate.py`) -> draft, a dense drafter distilled from the full model that ships -> router, the
+learned router trained on both tiers' outcomes -> gate: the tiers replace the models under
+`--models` only when they lose no domain to them -> the models, with their cards.
+
+Every run of the chain is planned and validated before the first trains; rerunning the command
+skips finished runs and resumes the interrupted one from its last checkpoint. One progress bar
+covers the whole run (`training/stages/progress.py`).
 """
 
-import asyncio
 import json
-import shutil
-import tempfile
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
-from serving.model.checkpoint import load_checkpoint
-from serving.model.tokenizer import Tokenizer
 from tasks import harness
-from training.config import DataConfig, RecipeConfig, load_recipe_config
-from training.data.datasets import IGNORE, SFTDataset, build_sft, chat_examples
-from training.data.tokenizer import PAD_TOKEN, save_tokenizer, train_tokenizer
-from training.reports.evaluation import evaluate_checkpoint
-from training.stages.run import load_stage_config, run_stage
+from training.config import RecipeConfig, load_recipe_config
+from training.recipes.evaluation import draft_agreement, evaluate_model, mean_completion
+from training.recipes.gate import GateError, post_training_verdict, replacement_regressions
+from training.recipes.phases import Run, plan_stage, run_stage_runs
+from training.recipes.publish import publish, size_mb
+from training.recipes.router_stage import train_router
+from training.recipes.tokenizer import build_tokenizer
+from training.stages import progress
+from training.stages.run import run_stage
 
 RECIPES = resources.files("training") / "recipes"
-POST_TRAINING = ("dpo", "rl")  # in this order, each from the one before
+STAGE_FILES = {
+    "pretrain": "pretrain.toml",
+    "sft-think": "sft.toml",
+    "sft-short": "sft-short.toml",
+    "qat-short": "qat.toml",
+    "mtp-short": "mtp.toml",
+    "dpo": "dpo.toml",
+    "rl": "rl.toml",
+    "draft": "draft.toml",
+}
+POST_TRAINING = ("dpo", "rl")  # in this order, each from the one kept before it
+TIERS = ("full", "highspeed", "draft")
 
 
 def recipe_dir(name: str) -> Path:
@@ -51,238 +64,270 @@ def recipe_dir(name: str) -> Path:
     return path
 
 
-def tokenizer_corpus(data: DataConfig) -> Any:
-    """Every kind of text the models see: turns of both styles, observations, tool schemas."""
-    for style in ("think", "short"):
-        for example in chat_examples(data, style):
-            for message in example["messages"]:
-                if message.get("content") and message["role"] != "assistant":
-                    yield message["content"]
-            for _, turn in example["turns"]:
-                yield turn
-            for tool in example.get("tools") or []:
-                yield json.dumps(tool, ensure_ascii=False)
-
-
-def build_tokenizer(out: Path, vocab_size: int, examples: int) -> Path:
-    if (out / "tokenizer.json").exists():
-        return out
-    corpus = tqdm(tokenizer_corpus(DataConfig(examples=examples)), desc="tokenizer corpus")
-    save_tokenizer(train_tokenizer(corpus, vocab_size), out)
-    return out
-
-
-def draft_agreement(draft_dir: Path, full_dir: Path, data: DataConfig, seq_len: int) -> float:
-    """Share of completion positions where the drafter's greedy next token is the full
-    model's, teacher-forced on reference turns of tasks neither model trained on (training
-    seeds past the ones the recipe used: the evaluation seed space is reserved for eval)."""
-    tokenizer = Tokenizer.from_dir(full_dir)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_sft(data, "think", tokenizer, Path(tmp) / "agreement.jsonl", seq_len)
-        dataset = SFTDataset(path, tokenizer.raw.token_to_id(PAD_TOKEN))
-    draft, full = load_checkpoint(draft_dir), load_checkpoint(full_dir)
-    agree = total = 0
-    with torch.inference_mode():
-        for start in range(0, len(dataset), 8):
-            batch = dataset.collate(list(range(start, min(start + 8, len(dataset)))))
-            keep = batch.labels != IGNORE
-            guesses = [
-                m.compute_logits(
-                    m(batch.input_ids, batch.positions, padding_mask=batch.padding_mask)
-                ).argmax(-1)[keep]
-                for m in (draft, full)
-            ]
-            agree += int((guesses[0] == guesses[1]).sum())
-            total += int(keep.sum())
-    return agree / total
-
-
-def evaluate_model(model_dir: Path, recipe: RecipeConfig, out: Path) -> list[dict]:
-    spec = recipe.eval
-    records = asyncio.run(
-        evaluate_checkpoint(
-            str(model_dir),
-            spec.domains,
-            spec.difficulties,
-            spec.n,
-            spec.seed,
-            8,
-            max_tokens=spec.max_tokens,
-        )
-    )
-    report = harness.report(records)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    return report["summary"]
-
-
-def _size_mb(path: Path) -> float:
-    return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
-
-
-def recommend_sampling(model_dir: Path, settings: dict[str, float | int]) -> None:
-    """Add the recipe's recommended sampling settings to generation_config.json, which the
-    engine applies to requests that leave them unset (`--generation-config auto`)."""
-    path = model_dir / "generation_config.json"
-    path.write_text(json.dumps(json.loads(path.read_text()) | settings, indent=2) + "\n")
-
-
-def write_card(model_dir: Path, title: str, how: str, table: str, command: str) -> None:
-    config = json.loads((model_dir / "config.json").read_text())
-    params = sum(
-        p.numel() for p in load_checkpoint(model_dir, keep_fp4=False).parameters()
-    )  # tied: once
-    card = (
-        f"# {title}\n\n{how}\n\n"
-        f"- architecture: `{config['architectures'][0]}`, {params / 1e6:.2f}M parameters, "
-        f"stored in {config['dtype']} ({_size_mb(model_dir):.1f} MB)\n"
-        f"- made by: `{command}`\n\n"
-        f"## Held-out evaluation\n\n{table}\n"
-    )
-    (model_dir / "README.md").write_text(card)
-
-
-def _mean_completion(rows: list[dict]) -> float:
-    overall = [r["completion_rate"] for r in rows if r["difficulty"] == "all"]
-    return sum(overall) / len(overall)
-
-
-def _student_fields(full_sft: Path, recipe: RecipeConfig) -> dict[str, Any]:
-    """The highspeed model's SFT: the full tier's SFT model cut to `[highspeed] keep_layers`,
-    trained on short answers and distilled from that model's reasoned ones."""
+def wiring(stage: str, work: Path, recipe: RecipeConfig, full: Path) -> dict[str, Any]:
+    """What the chain gives a stage's first run: the model it starts from, and for the
+    student its layers and teacher; `full` is the full-tier model the late stages start from."""
+    model = {s: str(work / s / "model") for s in STAGE_FILES}
+    short = "qat-short" if "qat-short" in recipe.stages else "sft-short"
     return {
-        "init": str(full_sft),
-        "style": "short",
-        "keep_layers": recipe.highspeed.keep_layers,
-        "teacher": str(full_sft),
+        "pretrain": {"tokenizer": str(work / "tokenizer")},
+        "sft-think": {"init": model["pretrain"], "style": "think"},
+        "sft-short": {
+            "init": model["sft-think"],
+            "style": "short",
+            "keep_layers": recipe.highspeed.keep_layers,
+            "teacher": model["sft-think"],
+        },
+        "qat-short": {"init": model["sft-short"], "style": "short"},
+        "mtp-short": {"init": model[short], "style": "short"},
+    }.get(stage, {"init": str(full)})
+
+
+def plan(src: Path, work: Path, recipe: RecipeConfig) -> dict[str, list[Run]]:
+    """Every training run of the recipe, validated, in order (the late stages as if they
+    start from the full tier's SFT model: which model they start from is decided as it runs)."""
+    known: set[str] = {"tokenizer"}
+    full = work / "sft-think" / "model"
+    return {
+        stage: plan_stage(
+            src, work, stage, STAGE_FILES[stage], wiring(stage, work, recipe, full), known
+        )
+        for stage in recipe.stages
+        if stage in STAGE_FILES
     }
+
+
+class Chain:
+    """One recipe run: trains the stages as the plan has them, keeps what each measured."""
+
+    def __init__(self, name: str, work: Path, models: Path) -> None:
+        self.name, self.work, self.models = name, work, models
+        self.src = recipe_dir(name)
+        self.recipe = load_recipe_config(self.src / "recipe.toml")
+        self.plan = plan(self.src, work, self.recipe)
+        self.known: set[str] = {"tokenizer"}
+        self.timings: dict[str, float] = {}
+        self.evals: dict[str, list[dict]] = {}
+        # What the run decides as it goes: the full-tier stages kept by the gate (and why the
+        # others were not), the one that ships, the student's stages, what was measured.
+        self.kept, self.rejected, self.best = ["sft-think"], {}, "sft-think"
+        self.short_stages: list[str] = []
+        self.agreement = 0.0
+        self.tables: dict[str, str] = {}
+
+    def has(self, stage: str) -> bool:
+        return stage in self.recipe.stages
+
+    def timed(self, stage: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.monotonic()
+        result = fn()
+        self.timings[stage] = self.timings.get(stage, 0.0) + time.monotonic() - t0
+        return result
+
+    def train(self, stage: str, full: Path | None = None) -> Path:
+        """Run `stage` (every phase); returns its model directory."""
+        full = full or self.work / "sft-think" / "model"
+        runs = plan_stage(
+            self.src,
+            self.work,
+            stage,
+            STAGE_FILES[stage],
+            wiring(stage, self.work, self.recipe, full),
+            self.known,
+        )
+        self.plan[stage] = runs
+        stage_dir = self.work / stage
+        return self.timed(stage, lambda: run_stage_runs(runs, stage_dir, run_stage, progress.begin))
+
+    def evaluate(self, stage: str) -> list[dict]:
+        progress.note(f"held-out evaluation of {stage}")
+        out = self.work / f"eval-{stage}.json"
+        rows = self.timed(
+            f"eval-{stage}",
+            lambda: evaluate_model(self.work / stage / "model", self.recipe.eval, out),
+        )
+        self.evals[stage] = rows
+        return rows
+
+    def chain_lines(self, stages: list[str]) -> str:
+        runs = [run for stage in stages for run in self.plan[stage]]
+        return "\n".join(f"1. `{run.name}`: {run.steps} {run.config.stage} steps" for run in runs)
 
 
 def run_recipe(name: str, work: Path, models: Path) -> dict[str, Path]:
     """Run recipe `name` with its stages under `work`, publish its models under `models`."""
-    src = recipe_dir(name)
-    recipe = load_recipe_config(src / "recipe.toml")
+    chain = Chain(name, work, models)
+    runs = [run for stage_runs in chain.plan.values() for run in stage_runs]
+    total, done = sum(r.steps for r in runs), sum(r.steps_done() for r in runs)
     started = time.monotonic()
-    timings: dict[str, float] = {}
-
-    def timed(stage: str, fn):
-        t0 = time.monotonic()
-        result = fn()
-        timings[stage] = time.monotonic() - t0
-        return result
-
-    tok = timed(
-        "tokenizer",
-        lambda: build_tokenizer(
-            work / "tokenizer", recipe.tokenizer.vocab_size, recipe.tokenizer.examples
-        ),
-    )
-    stages = [
-        ("pretrain", "pretrain.toml", {"tokenizer": str(tok)}),
-        ("sft-think", "sft.toml", {"init": str(work / "pretrain" / "model"), "style": "think"}),
-        ("sft-short", "sft.toml", _student_fields(work / "sft-think" / "model", recipe)),
-    ]
-    short_stages = ["sft-short"]
-    if (src / "qat.toml").exists():
-        fields = {"init": str(work / "sft-short" / "model"), "style": "short"}
-        stages.append(("qat-short", "qat.toml", fields))
-        short_stages.append("qat-short")
-    for stage, file, fields in stages:
-        config = load_stage_config(src / file, **fields)
-        timed(stage, lambda config=config, stage=stage: run_stage(config, work / stage))
-    evals = {
-        stage: timed(
-            f"eval-{stage}",
-            lambda s=stage: evaluate_model(work / s / "model", recipe, work / f"eval-{s}.json"),
-        )
-        for stage in ("sft-think", *short_stages)
-    }
-    # The highspeed model's MTP head alone: the main model evaluated above is what ships.
-    mtp = (src / "mtp.toml").exists()
-    shipped_short = work / ("mtp-short" if mtp else short_stages[-1]) / "model"
-    if mtp:
-        fields = {"init": str(work / short_stages[-1] / "model"), "style": "short"}
-        config = load_stage_config(src / "mtp.toml", **fields)
-        timed("mtp-short", lambda: run_stage(config, work / "mtp-short"))
-    full_stages = ["sft-think"]  # the kept ones
-    rejected: dict[str, str] = {}  # a stage the gate did not keep -> why
-    for stage in (s for s in POST_TRAINING if (src / f"{s}.toml").exists()):
-        before = full_stages[-1]
-        config = load_stage_config(src / f"{stage}.toml", init=str(work / before / "model"))
-        timed(stage, lambda config=config, stage=stage: run_stage(config, work / stage))
-        evals[stage] = timed(
-            f"eval-{stage}",
-            lambda s=stage: evaluate_model(work / s / "model", recipe, work / f"eval-{s}.json"),
-        )
-        failures = harness.regressions(
-            evals[stage], {"summary": evals[before]}, recipe.regression.max_drop
-        )
-        if failures:
-            rejected[stage] = f"against {before}: " + "; ".join(failures)
-            print(f"regression gate: {stage} not kept, {rejected[stage]}", flush=True)
-        else:
-            full_stages.append(stage)
-    best = max(full_stages, key=lambda s: _mean_completion(evals[s]))
-    full = work / best / "model"
-    config = load_stage_config(src / "draft.toml", init=str(full))
-    timed("draft", lambda: run_stage(config, work / "draft"))
-    draft = work / "draft" / "model"
-    published = {tier: models / f"{name}-{tier}" for tier in ("full", "highspeed", "draft")}
-    command = f"tierserve train recipe {name}"
-
-    def heading(stage: str) -> str:
-        if stage in rejected:
-            return f"{stage} (not kept: {rejected[stage]})"
-        return f"{stage}{' (shipped)' if stage == best else ''}"
-
-    evaluated = [s for s in ("sft-think", *POST_TRAINING) if s in evals]
-    tables = {
-        "full": "\n\n".join(
-            f"### {heading(s)}\n\n{harness.format_table(evals[s])}" for s in evaluated
-        ),
-        "highspeed": "\n\n".join(
-            f"### {s}{' (shipped)' if s == short_stages[-1] else ''}\n\n"
-            f"{harness.format_table(evals[s])}"
-            for s in short_stages
-        ),
-    }
-    agreement = draft_agreement(draft, full, recipe.draft_agreement, 1024)
-    hows = {
-        "full": "The full tier: the base MoE fine-tuned on step-by-step reasoning traces "
-        "(`<think>...</think>` before the answer) of the four task domains, then "
-        f"post-trained ({' -> '.join(full_stages)}); the `{best}` model ships.",
-        "highspeed": "The highspeed tier: the full tier's SFT model cut to its decoder layers "
-        f"{recipe.highspeed.keep_layers or 'all'}, fine-tuned on short direct answers of the same "
-        "tasks and distilled from the full tier's reasoned ones"
-        + (
-            ", then trained through FP4 expert weights (quantization-aware) and stored as FP4"
-            if "qat-short" in short_stages
-            else ""
-        )
-        + ("; its MTP head then trained alone on the model's own greedy answers." if mtp else "."),
-        "draft": f"A dense drafter distilled from `{name}-full`'s next-token distributions, "
-        "for speculative decoding. Greedy agreement with the full model on held-out "
-        f"completion tokens: {agreement:.1%}.",
-    }
-    for tier, model_dir in (("full", full), ("highspeed", shipped_short), ("draft", draft)):
-        target = published[tier]
-        shutil.rmtree(target, ignore_errors=True)
-        shutil.copytree(model_dir, target)
-        recommend_sampling(target, recipe.generation)
-        table = tables.get(tier, "(not evaluated on the domains: a drafter, see above)")
-        write_card(target, f"{name}-{tier}", hows[tier], table, command)
-    summary = {
-        "recipe": name,
-        "minutes": (time.monotonic() - started) / 60,
-        "stage_seconds": timings,
-        "draft_agreement": agreement,
-        "full_stages": full_stages,
-        "shipped_full": best,
-        "rejected": rejected,
-        "sizes_mb": {tier: _size_mb(path) for tier, path in published.items()},
-        "tables": tables,
-    }
+    with progress.run_progress(total, done):
+        published, failures = _run(chain)
+    summary = _summary(chain, published, failures, started)
     (work / "recipe-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "tables"}, indent=1))
-    for tier, table in tables.items():
+    for tier, table in summary["tables"].items():
         print(f"\n{name}-{tier}:\n{table}")
+    if failures:
+        lost = "; ".join(f"{tier}: {', '.join(f)}" for tier, f in failures.items())
+        raise GateError(
+            f"not published to {models}: the new tiers lose to the models there ({lost}); "
+            f"they are under {published['full'].parent}"
+        )
     return published
+
+
+def _run(chain: Chain) -> tuple[dict[str, Path], dict[str, list[str]]]:
+    """Every stage in order; returns the published tiers and the final gate's failures."""
+    recipe, work = chain.recipe, chain.work
+    progress.note("tokenizer")
+    tok = recipe.tokenizer
+    chain.timed(
+        "tokenizer", lambda: build_tokenizer(work / "tokenizer", tok.vocab_size, tok.examples)
+    )
+    for stage in ("pretrain", "sft-think", "sft-short", "qat-short"):
+        if chain.has(stage):
+            chain.train(stage)
+    chain.short_stages = [s for s in ("sft-short", "qat-short") if chain.has(s)]
+    for stage in ("sft-think", *chain.short_stages):
+        chain.evaluate(stage)
+    shipped_short = work / chain.short_stages[-1] / "model"
+    if chain.has("mtp-short"):  # the head alone: the main model evaluated above ships
+        shipped_short = chain.train("mtp-short")
+    _post_train(chain)
+    full = work / chain.best / "model"
+    models = {"full": full, "highspeed": shipped_short, "draft": chain.train("draft", full)}
+    router = None
+    if chain.has("router"):
+        progress.note("router: both tiers play the router's tasks")
+        router = chain.timed(
+            "router",
+            lambda: train_router(
+                models, recipe.eval.domains, recipe.router, work / "router", evaluate_model
+            ),
+        )
+    failures = _gate(chain) if chain.has("gate") else {}
+    progress.note("agreement of the drafter")
+    chain.agreement = draft_agreement(models["draft"], full, recipe.draft_agreement, 1024)
+    dest = work / "candidates" if failures else chain.models
+    return _publish(chain, models, router, dest), failures
+
+
+def _post_train(chain: Chain) -> None:
+    """DPO and RL, each from the model kept before it, each kept only if it loses no domain;
+    the full tier ships the kept model with the best mean completion."""
+    for stage in (s for s in POST_TRAINING if chain.has(s)):
+        before = chain.kept[-1]
+        chain.train(stage, chain.work / before / "model")
+        rows = chain.evaluate(stage)
+        verdict = post_training_verdict(
+            rows, chain.evals[before], before, chain.recipe.regression.max_drop
+        )
+        if verdict is None:
+            chain.kept.append(stage)
+        else:
+            chain.rejected[stage] = verdict
+            tqdm.write(f"regression gate: {stage} not kept, {verdict}")
+    chain.best = max(chain.kept, key=lambda s: mean_completion(chain.evals[s]))
+
+
+def _gate(chain: Chain) -> dict[str, list[str]]:
+    """The domains each new tier loses to the model under `--models` it would replace."""
+    progress.note("gate: the models to be replaced play the held-out tasks")
+    new = {"full": chain.evals[chain.best], "highspeed": chain.evals[chain.short_stages[-1]]}
+    replaced = {tier: chain.models / f"{chain.name}-{tier}" for tier in new}
+    spec, max_drop = chain.recipe.eval, chain.recipe.regression.max_drop
+    return chain.timed(
+        "gate",
+        lambda: replacement_regressions(
+            new,
+            replaced,
+            lambda m, out: evaluate_model(m, spec, out),
+            chain.work / "gate",
+            max_drop,
+        ),
+    )
+
+
+def _publish(
+    chain: Chain, models: dict[str, Path], router: Path | None, dest: Path
+) -> dict[str, Path]:
+    name, recipe = chain.name, chain.recipe
+    tables = _tables(chain)
+    lineage = {
+        "full": ["pretrain", "sft-think", *chain.kept[1 : chain.kept.index(chain.best) + 1]],
+        "highspeed": ["pretrain", "sft-think", *chain.short_stages]
+        + (["mtp-short"] if chain.has("mtp-short") else []),
+        "draft": ["draft"],
+    }
+    hows = {
+        "full": "The full tier: the base MoE fine-tuned on step-by-step reasoning traces "
+        "(`<think>...</think>` before the answer) of the four task domains through the SFT "
+        f"curriculum's runs, then post-trained ({' -> '.join(chain.kept)}); the `{chain.best}` "
+        "model ships.",
+        "highspeed": "The highspeed tier: a full-tier SFT model cut to its decoder layers "
+        f"{recipe.highspeed.keep_layers or 'all'}, fine-tuned on short direct answers of the same "
+        "tasks and distilled from full-tier models' reasoned ones"
+        + (", then trained through FP4 expert weights and stored as FP4" * chain.has("qat-short"))
+        + ("; its MTP head then trained alone on its own greedy answers" * chain.has("mtp-short"))
+        + ".",
+        "draft": f"A dense drafter distilled from `{name}-full`'s next-token distributions, "
+        "for speculative decoding. Greedy agreement with the full model on held-out "
+        f"completion tokens: {chain.agreement:.1%}.",
+    }
+    command = f"tierserve train recipe {name}"
+    published = {tier: dest / f"{name}-{tier}" for tier in TIERS}
+    for tier in TIERS:
+        table = tables.get(tier, "(not evaluated on the domains: a drafter, see above)")
+        publish(
+            models[tier],
+            published[tier],
+            recipe.generation,
+            f"{name}-{tier}",
+            hows[tier],
+            chain.chain_lines(lineage[tier]),
+            table,
+            command,
+        )
+    if router is not None:
+        (dest / "router.npz").write_bytes(router.read_bytes())
+    chain.tables = tables
+    return published
+
+
+def _tables(chain: Chain) -> dict[str, str]:
+    def heading(stage: str) -> str:
+        if stage in chain.rejected:
+            return f"{stage} (not kept: {chain.rejected[stage]})"
+        return f"{stage}{' (shipped)' if stage == chain.best else ''}"
+
+    full = [s for s in ("sft-think", *POST_TRAINING) if s in chain.evals]
+    last_short = chain.short_stages[-1]
+    return {
+        "full": "\n\n".join(
+            f"### {heading(s)}\n\n{harness.format_table(chain.evals[s])}" for s in full
+        ),
+        "highspeed": "\n\n".join(
+            f"### {s}{' (shipped)' if s == last_short else ''}\n\n"
+            f"{harness.format_table(chain.evals[s])}"
+            for s in chain.short_stages
+        ),
+    }
+
+
+def _summary(
+    chain: Chain, published: dict[str, Path], failures: dict[str, list[str]], started: float
+) -> dict[str, Any]:
+    return {
+        "recipe": chain.name,
+        "minutes": (time.monotonic() - started) / 60,
+        "stage_seconds": chain.timings,
+        "runs": {run.name: run.steps for runs in chain.plan.values() for run in runs},
+        "draft_agreement": chain.agreement,
+        "full_stages": chain.kept,
+        "shipped_full": chain.best,
+        "rejected": chain.rejected,
+        "published_to": str(published["full"].parent),
+        "not_published": failures,
+        "sizes_mb": {tier: size_mb(path) for tier, path in published.items()},
+        "tables": chain.tables,
+    }

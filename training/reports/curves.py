@@ -3,6 +3,7 @@ rates at each evaluation, and for RL the training reward per domain beside the d
 that say whether the update follows the reward (importance ratio, clipping, KL, entropy,
 advantage spread, groups without reward variance)."""
 
+from collections.abc import Sequence
 from math import nan
 from pathlib import Path
 
@@ -19,7 +20,15 @@ RL_DIAGNOSTICS = (
 )
 
 
-def plot_curves(log: list[dict], evals: list[dict], out: Path, title: str) -> None:
+def plot_curves(
+    log: list[dict],
+    evals: list[dict],
+    out: Path,
+    title: str,
+    boundaries: Sequence[tuple[int, str]] = (),
+) -> None:
+    """`boundaries`: (first step, name) of each run a stage chains (its phases), drawn as
+    vertical lines, so a jump at a phase's start reads as the new data or settings."""
     if not log:
         return
     import matplotlib  # the `train` extra; imported here so the tokenizer needs none of it
@@ -32,8 +41,8 @@ def plot_curves(log: list[dict], evals: list[dict], out: Path, title: str) -> No
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.6))
     steps = [row["step"] for row in log]
     for term in LOSS_TERMS:
-        if term in log[0]:
-            values = [nan if row[term] is None else row[term] for row in log]
+        if any(term in row for row in log):  # phases of several kinds log different terms
+            values = [nan if row.get(term) is None else row[term] for row in log]
             axes[0].plot(steps, values, label=term, linewidth=1)
     for key in HELDOUT_LOSSES:
         points = [(row["step"], row[key]) for row in evals if key in row]
@@ -51,6 +60,12 @@ def plot_curves(log: list[dict], evals: list[dict], out: Path, title: str) -> No
         axes[2].legend(fontsize=7)
     if rl:
         _plot_rl(axes[-2], axes[-1], steps, log)
+    for start, name in boundaries:
+        for axis in axes:
+            axis.axvline(start, color="tab:gray", linewidth=0.5, linestyle=":")
+        axes[1].annotate(
+            name, (start, 0), xycoords=("data", "axes fraction"), fontsize=6, rotation=90
+        )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -7,7 +7,7 @@ exports the result as a Hugging Face directory under `OUT/model`, with the loss 
 held-out evaluation tables beside it.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -38,10 +38,14 @@ _CONFIGS: TypeAdapter[StageConfig] = TypeAdapter(
 
 
 def load_stage_config(
-    path: str | Path | None, overrides: list[str] | None = None, **defaults: Any
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    layers: Iterable[dict[str, Any]] = (),
+    **defaults: Any,
 ) -> StageConfig:
-    """`defaults` (the command's flags, a recipe's wiring), then the TOML file, then `--set`."""
-    return load_config(path, overrides, _CONFIGS.validate_python, **defaults)
+    """`defaults` (the command's flags, a recipe's wiring), then the TOML file, then a recipe
+    phase's `layers`, then `--set`."""
+    return load_config(path, overrides, _CONFIGS.validate_python, layers, **defaults)
 
 
 def run_stage(config: StageConfig, out_dir: Path) -> Path:

@@ -30,7 +30,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from serving.model.causal_lm import CausalLM
 from serving.model.dtype import is_supported
@@ -38,7 +37,7 @@ from training.config import TrainConfig
 from training.data.datasets import Batch, SampleOrder
 from training.objectives.losses import LossFn
 from training.reports.curves import plot_curves
-from training.stages import checkpointing
+from training.stages import checkpointing, progress
 
 
 class Dataset(Protocol):
@@ -258,14 +257,8 @@ class Trainer:
         cfg = self.cfg
         start = self._resume()
         self.model.train()
-        bar = tqdm(
-            range(start, cfg.steps),
-            initial=start,
-            total=cfg.steps,
-            desc=self.desc,
-            disable=self.rank != 0,
-        )
-        for step in bar:
+        bar = progress.step_bar(self.desc, start, cfg.steps, disable=self.rank != 0)
+        for step in range(start, cfg.steps):
             t0 = time.perf_counter()
             row = self.train_step(step)
             row["tokens_per_s"] = row["tokens"] / (time.perf_counter() - t0)
@@ -276,6 +269,7 @@ class Trainer:
                     postfix |= {"copy": f"{row['copy_loss']:.3f}", "phase": row["phase"]}
             self.log.append(row)
             bar.set_postfix(postfix)
+            bar.update(1)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 self._evaluate(step)
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
@@ -283,5 +277,6 @@ class Trainer:
                     self._evaluate(step)
                 self._checkpoint(step)
                 self._write_log()
+        bar.close()
         self.model.eval()
         return self.model
