@@ -4,25 +4,22 @@
 // The op `tierserve_cpu::paged_decode_attention` takes
 //   q [B, H, D] float32, k_cache and v_cache [num_blocks, block_size, KV, D] (float32,
 //   bfloat16 or float16), block_tables [B, W] int64, context_lens [B] int64, scale
-// and returns [B, H, D] float32. Rows run in parallel on torch's threads.
+// and returns [B, H, D] float32. Sequences run in parallel on torch's threads.
 //
-// Per sequence, keys are read a cache block at a time, into fp32 scores: the heads sharing a
-// kv head two at a time against four keys at a time (eight independent sums, where one dot
-// product at a time is a chain of fused multiply-adds each waiting on the one before); then
-// the softmax's exponentials per head, the weighted sum of the values read the same way, and
-// the division by the exponentials' sum (SDPA's order of operations). Consecutive rows that
-// attend through one block table (a sequence's token and its drafts in a verify step, each
-// row seeing up to its own position) read each block once for all of them. Sequences whose
-// block tables share only leading blocks (the n samples of one prompt) run one after another
-// on a thread, so the shared blocks come from the cache the first one warmed: reading them
-// once for the group instead measured no faster.
+// Per sequence, keys are read a cache block at a time, each head's dot products over the
+// block's rows (a block comes from memory for the first head, from the L1 cache for the
+// others), into fp32 scores; then the softmax's exponentials per head, the weighted sum of
+// the values read the same way, and the division by the exponentials' sum (SDPA's order of
+// operations). Sequences whose block tables share leading blocks (the n samples of one
+// prompt) run one after another on a thread, so the shared blocks come from the cache the
+// first one warmed: reading them once for the group instead measured no faster.
 //
 // The arithmetic is simd.h's vectors, compiled for the capability PyTorch picks on this machine
 // (`kernels/cpu_extension.py` defines CPU_CAPABILITY): a dot product sums its vector's lanes
 // by halves, and the exponentials are vectorized too. The compiler's own vectorization of the
 // plain loops ran this op 1.6x slower (it summed lanes one after another and left the
 // exponentials scalar). The head dimension is a template constant for the common
-// sizes, so a tile's sums and a head's weighted sum stay in registers across a block's rows.
+// sizes, so a query and a head's weighted sum stay in registers across a block's rows.
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -49,62 +46,27 @@ inline void load(Vec (&v)[N], const float* p) {
   for (int64_t i = 0; i < N; ++i) v[i] = loadu(p + i * kLanes);
 }
 
-// out[qi * ld + j] = scale * q_qi . k_j for NQ queries q_qi = q + qi * D (heads sharing one kv
-// head) and NK keys k_j = k + j * stride, the head dimension N vectors. Each key vector loaded
-// goes into every query's sums and each query vector into every key's: the NQ * NK sums are
-// independent, so the fused multiply-adds do not wait on one another, as one dot product's
-// chain of D / lanes of them did.
-template <int64_t N, int64_t NQ, int64_t NK, typename cache_t>
-inline void score_tile(float* out, int64_t ld, const float* q, const cache_t* k, int64_t stride,
-                       float scale) {
-  Vec acc[NQ][NK];
-  for (int64_t qi = 0; qi < NQ; ++qi)
-    for (int64_t j = 0; j < NK; ++j) acc[qi][j] = Vec{};
-  for (int64_t i = 0; i < N; ++i) {
-    Vec kv[NK];
-    for (int64_t j = 0; j < NK; ++j) kv[j] = widen(k + j * stride + i * kLanes);
-    for (int64_t qi = 0; qi < NQ; ++qi) {
-      const Vec qv = loadu(q + qi * N * kLanes + i * kLanes);
-      for (int64_t j = 0; j < NK; ++j) acc[qi][j] = fmadd(qv, kv[j], acc[qi][j]);
-    }
-  }
-  for (int64_t qi = 0; qi < NQ; ++qi)
-    for (int64_t j = 0; j < NK; ++j) out[qi * ld + j] = lane_sum(acc[qi][j]) * scale;
-}
-
-// NQ queries against n keys: tiles of four keys, then one at a time.
-template <int64_t N, int64_t NQ, typename cache_t>
-inline void score_keys(float* out, int64_t ld, const float* q, const cache_t* k, int64_t stride,
-                       int64_t n, float scale) {
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) score_tile<N, NQ, 4>(out + j, ld, q, k + j * stride, stride, scale);
-  for (; j < n; ++j) score_tile<N, NQ, 1>(out + j, ld, q, k + j * stride, stride, scale);
-}
-
-// out[g * ld + j] = scale * q_g . k_j for the `group` heads q_g = q + g * D that share one kv
-// head, and n rows k_j = k + j * stride. With the head dimension known at compile time the
-// heads go two at a time against tiles of keys (`score_tile`); otherwise one dot product at a
-// time, its lanes summed at the end.
+// out[j] = scale * q . k_j for n rows k_j = k + j * stride. With the head dimension known at
+// compile time q stays in registers; each dot product sums D / lanes vectors, then its lanes.
 template <int64_t kHeadDim, typename cache_t>
-inline void dot_rows(float* out, int64_t ld, const float* q, int64_t group, const cache_t* k,
-                     int64_t stride, int64_t n, int64_t D, float scale) {
+inline void dot_rows(float* out, const float* q, const cache_t* k, int64_t stride, int64_t n,
+                     int64_t D, float scale) {
   if constexpr (constexpr int64_t N = kRegisterVecs<kHeadDim>; N > 0) {
-    int64_t g = 0;
-    for (; g + 2 <= group; g += 2)
-      score_keys<N, 2>(out + g * ld, ld, q + g * D, k, stride, n, scale);
-    if (g < group) score_keys<N, 1>(out + g * ld, ld, q + g * D, k, stride, n, scale);
+    Vec qv[N];
+    load(qv, q);
+    for (int64_t j = 0; j < n; ++j, k += stride) {
+      Vec acc{};
+      for (int64_t i = 0; i < N; ++i) acc = fmadd(qv[i], widen(k + i * kLanes), acc);
+      out[j] = lane_sum(acc) * scale;
+    }
   } else {
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * D;
-      const cache_t* kj = k;
-      for (int64_t j = 0; j < n; ++j, kj += stride) {
-        Vec acc{};
-        int64_t d = 0;
-        for (; d + kLanes <= D; d += kLanes) acc = fmadd(loadu(qg + d), widen(kj + d), acc);
-        float sum = lane_sum(acc);
-        for (; d < D; ++d) sum += qg[d] * static_cast<float>(kj[d]);
-        out[g * ld + j] = sum * scale;
-      }
+    for (int64_t j = 0; j < n; ++j, k += stride) {
+      Vec acc{};
+      int64_t d = 0;
+      for (; d + kLanes <= D; d += kLanes) acc = fmadd(loadu(q + d), widen(k + d), acc);
+      float sum = lane_sum(acc);
+      for (; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
+      out[j] = sum * scale;
     }
   }
 }
@@ -172,33 +134,7 @@ inline void for_each_block(const cache_t* cache, const int64_t* table, int64_t l
   }
 }
 
-// The first row of each run of consecutive rows that attend through one block table: a
-// sequence's tokens in one step (a verify step's token and drafts, a short chunk), each row
-// reading up to its own context length. A row joins the run when its table agrees with the
-// run's first row over the blocks the longer of the two reads, so the first row's table,
-// read as far as the run's longest context, holds every row's blocks. Then a final `batch`.
-inline std::vector<int64_t> runs_of_one_table(const int64_t* tables, const int64_t* lens,
-                                              int64_t batch, int64_t width, int64_t block_size) {
-  std::vector<int64_t> starts;
-  for (int64_t b = 0; b < batch; ++b) {
-    if (!starts.empty()) {
-      const int64_t first = starts.back();
-      const int64_t blocks = (std::max(lens[first], lens[b]) + block_size - 1) / block_size;
-      if (std::equal(tables + first * width, tables + first * width + blocks, tables + b * width))
-        continue;
-    }
-    starts.push_back(b);
-  }
-  starts.push_back(batch);
-  return starts;
-}
-
 // kHeadDim > 0 fixes the head dimension at compile time; 0 reads it at run time.
-//
-// A work item is a run of rows (`runs_of_one_table`), whose rows read each block once for all
-// of them, keys and then values, so a verify step's rows cost little more in reads than one
-// row. Where there are fewer runs than threads (one sequence's verify step) a run's kv heads
-// are items apart, so the threads share it.
 template <typename cache_t, int64_t kHeadDim>
 void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_cache,
                       const int64_t* block_tables, const int64_t* context_lens, float* out,
@@ -207,57 +143,39 @@ void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_c
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * D;  // one token's keys (or values), every kv head
-  const std::vector<int64_t> runs =
-      runs_of_one_table(block_tables, context_lens, batch, table_width, block_size);
-  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
-  const int64_t split =
-      num_runs < static_cast<int64_t>(torch::stable::get_num_threads()) ? kv_heads : 1;
-  const int64_t kvs = kv_heads / split;  // kv heads an item takes
-  const int64_t width = kvs * group;     // query heads an item takes, a row's
-  torch::stable::parallel_for(0, num_runs * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, inverse_totals;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t first = runs[item / split], rows = runs[item / split + 1] - first;
-      const int64_t kv0 = item % split * kvs, h0 = kv0 * group;
-      const int64_t* lens = context_lens + first;
-      const int64_t len = *std::max_element(lens, lens + rows);
-      const int64_t* table = block_tables + first * table_width;
-      // Row r's query head h0 + h: its query, its scores and its output.
-      auto query = [&](int64_t r, int64_t h) { return q + ((first + r) * heads + h0 + h) * D; };
-      auto scores_of = [&](int64_t r, int64_t h) { return scores.data() + (r * width + h) * len; };
-      auto output = [&](int64_t r, int64_t h) { return out + ((first + r) * heads + h0 + h) * D; };
-      scores.resize(rows * width * len);
-      inverse_totals.resize(rows * width);
+  torch::stable::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, inverse_totals(heads);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = context_lens[b];
+      const int64_t* table = block_tables + b * table_width;
+      const float* qb = q + b * heads * D;
+      float* o = out + b * heads * D;
+      scores.resize(heads * len);
+      // A block's rows come from memory for its first head, from the L1 cache for the others.
       for_each_block(k_cache, table, len, block_size, row, [&](int64_t t, auto keys, int64_t n) {
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t kv = 0; lens[r] > t && kv < kvs; ++kv)
-            dot_rows<kHeadDim>(scores_of(r, kv * group) + t, len, query(r, kv * group), group,
-                               keys + (kv0 + kv) * D, row, std::min(n, lens[r] - t), D, scale);
+        for (int64_t h = 0; h < heads; ++h)
+          dot_rows<kHeadDim>(scores.data() + h * len + t, qb + h * D, keys + (h / group) * D, row,
+                             n, D, scale);
       });
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t h = 0; h < width; ++h) {
-          float* s = scores_of(r, h);
-          const float top = *std::max_element(s, s + lens[r]);
-          inverse_totals[r * width + h] = 1.0f / exponentials(s, lens[r], top);
-          // The weights in the cache's dtype, as SDPA's flash kernel rounds them for its
-          // half-precision product: a bf16 engine then rounds as transformers does in bf16.
-          if constexpr (!std::is_same_v<cache_t, float>) {
-            for (int64_t t = 0; t < lens[r]; ++t)
-              s[t] = static_cast<float>(static_cast<cache_t>(s[t]));
-          }
-          std::fill_n(output(r, h), D, 0.0f);
+      for (int64_t h = 0; h < heads; ++h) {
+        float* s = scores.data() + h * len;
+        const float top = *std::max_element(s, s + len);
+        inverse_totals[h] = 1.0f / exponentials(s, len, top);
+        // The weights in the cache's dtype, as SDPA's flash kernel rounds them for its
+        // half-precision product: a bf16 engine then rounds as transformers does in bf16.
+        if constexpr (!std::is_same_v<cache_t, float>) {
+          for (int64_t t = 0; t < len; ++t) s[t] = static_cast<float>(static_cast<cache_t>(s[t]));
         }
+      }
+      std::fill_n(o, heads * D, 0.0f);
       for_each_block(v_cache, table, len, block_size, row, [&](int64_t t, auto values, int64_t n) {
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t h = 0; lens[r] > t && h < width; ++h)
-            add_weighted_rows<kHeadDim>(output(r, h), scores_of(r, h) + t,
-                                        values + (kv0 + h / group) * D, row,
-                                        std::min(n, lens[r] - t), D);
+        for (int64_t h = 0; h < heads; ++h)
+          add_weighted_rows<kHeadDim>(o + h * D, scores.data() + h * len + t,
+                                      values + (h / group) * D, row, n, D);
       });
       // The division by the exponentials' sum comes last, as SDPA's does.
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t h = 0; h < width; ++h)
-          for (int64_t d = 0; d < D; ++d) output(r, h)[d] *= inverse_totals[r * width + h];
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] *= inverse_totals[h];
     }
   });
 }
