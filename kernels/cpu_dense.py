@@ -42,7 +42,8 @@ def runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether the ops take these activations and weights: more than one row, fp32, and
     contiguous weights of a dtype they read, all on the CPU, the ops built. A single row reads
     each weight once however it is written, and inductor's fused reduction spares the op's call
-    and fuses with its neighbours, so one-row steps keep it."""
+    and fuses with its neighbours, so one-row steps keep it (`loadtests/bench_projections.py`
+    times the two)."""
     return (
         x.numel() > x.shape[-1]
         and x.device.type == "cpu"

@@ -29,6 +29,7 @@ from serving.model.paged import TokenSpan
 from serving.model.tokenizer import Tokenizer
 from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig
+from speculative.mtp import MTPProposer
 from tasks import DOMAINS
 from tasks.seeds import EVAL_SEED_BASE
 
@@ -86,16 +87,19 @@ def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
 
     decode = _ms(lambda: target.runner.forward(span(1)))
     verify = _ms(lambda: target.runner.forward(span(k + 1))) / decode - 1
-    rows = {n: _ms(lambda n=n: target.runner.forward(span(n))) for n in (1, 2, 4, 8)}
+    sizes = sorted({1, 2, 4, k + 1, 8})
+    rows = {n: _ms(lambda n=n: target.runner.forward(span(n))) for n in sizes}
     print(
-        "one sequence's step of 1 / 2 / 4 / 8 tokens: "
+        f"one sequence's step of {' / '.join(map(str, rows))} tokens: "
         + " / ".join(f"{t:.2f}" for t in rows.values())
-        + " ms"
+        + " ms; "
+        + " / ".join(f"{t / rows[1]:.2f}x" for t in rows.values())
+        + " a one-row step"
     )
     draft_c = _ms(lambda: draft.runner.forward(span(1))) / decode
     print(f"plain decode step {decode:.2f} ms; in decode steps:")
     print(f"  ngram: fixed {verify:.2f}, per draft 0")
-    if target.speculator:  # a target without MTP layers (the benchmark shape) has no MTP drafter
+    if isinstance(target.speculator.proposer, MTPProposer):  # the benchmark shape has none
         print(f"  mtp:   fixed {verify + mtp(2) / decode:.2f}, per draft {mtp(1) / decode:.2f}")
     print(f"  draft: fixed {verify:.2f}, per draft {draft_c:.2f}")
 
@@ -129,8 +133,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     config = EngineConfig(enforce_eager=args.enforce_eager)
     if args.costs:
+        # Speculating, so the graphs include a verify step's size; by the target's own MTP
+        # layer where it has one (the benchmark shape has none).
         has_mtp = ModelConfig.from_file(args.target / "config.json").mtp is not None
-        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=args.k) if has_mtp else None
+        method = "mtp" if has_mtp else "ngram"
+        spec = SpeculativeConfig(method=method, num_speculative_tokens=args.k)
         target = _ready(args.target, dataclasses.replace(config, speculative=spec))
         measure_costs(target, LLMEngine.from_checkpoint(args.draft), args.k)
         return

@@ -122,7 +122,7 @@ class LLMEngine:
                 eos,
                 kv_dtype,
                 # Compiled decode steps on a CPU; a GPU's are CUDA graphs (below).
-                None if config.enforce_eager or graphs else graph_sizes(config.max_num_seqs),
+                None if config.enforce_eager or graphs else self._graph_sizes(config),
                 compile_apart,
             )
         num_blocks = self.blocks.num_blocks
@@ -152,6 +152,13 @@ class LLMEngine:
             )
             if g is not None
         ]
+
+    @staticmethod
+    def _graph_sizes(config: EngineConfig) -> list[int]:
+        """The compiled decode steps' sizes: the batch sizes, and a speculating engine's
+        verify step of one sequence (its most drafts and the token before them)."""
+        spec = config.speculative
+        return graph_sizes(config.max_num_seqs, spec.num_speculative_tokens + 1 if spec else 0)
 
     def _proposer(self, config: SpeculativeConfig) -> Proposer:
         """The configured drafter, wired to the target's runner and blocks."""

@@ -76,10 +76,17 @@ def compile_cache_dir() -> Path:
     return Path(root) / "inductor"
 
 
-def graph_sizes(max_num_seqs: int) -> list[int]:
-    """The capture sizes a batch of up to `max_num_seqs` sequences pads to."""
+def graph_sizes(max_num_seqs: int, verify_rows: int = 0) -> list[int]:
+    """The capture sizes a batch of up to `max_num_seqs` sequences pads to, and where an
+    engine speculates, `verify_rows` (k + 1: one sequence's last token and its drafts) as a
+    size of its own, as vLLM captures sizes suited to the speculative shape: a sequence's
+    verify step then runs unpadded instead of in the next larger graph, whose padding rows
+    cost as much as real ones."""
     sizes = [s for s in GRAPH_BATCH_SIZES if s < max_num_seqs]
-    return sizes + [s for s in GRAPH_BATCH_SIZES if s >= max_num_seqs][:1]
+    sizes += [s for s in GRAPH_BATCH_SIZES if s >= max_num_seqs][:1]
+    if 1 < verify_rows <= MAX_CHUNKED_ROWS:
+        sizes = sorted({*sizes, verify_rows})
+    return sizes
 
 
 def import_compiler() -> None:

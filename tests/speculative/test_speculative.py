@@ -239,7 +239,7 @@ def test_compiled_mtp_drafter_keeps_plain_greedy_tokens(chat_prompts, tmp_path, 
     chained single rows, some in chunks of the graph's size), whole graphs are stored, and
     greedy outputs are still those of plain decoding."""
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [2])  # one graph each
+    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n, verify_rows: [2])  # one graph each
     prompts = chat_prompts[:4]
     params = [_params(i) for i in range(len(prompts))]
     plain, _ = _generate_checked(_engine(None), prompts, params)
@@ -266,7 +266,7 @@ def test_a_servers_compile_process_stores_the_mtp_graphs_too(tmp_path, monkeypat
     compiles the drafter's graphs as well, and the server loads them without tracing."""
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
     config = EngineConfig(
-        max_num_seqs=2,  # graphs of 1 and 2 rows
+        max_num_seqs=2,  # graphs of 1 and 2 rows, and of a verify step's 5
         speculative=SPECS["mtp"],
         enforce_eager=False,
         compile_graphs_apart=True,
@@ -279,6 +279,6 @@ def test_a_servers_compile_process_stores_the_mtp_graphs_too(tmp_path, monkeypat
     frames = counters["frames"]["total"]  # the one-row target graph, traced here
     assert not engine.warmup().ready  # the drafter's graphs are not in yet
     engine.wait_warm()
-    assert engine.warmup() == (4, 4, True, True)
+    assert engine.warmup() == (6, 6, True, True)
     assert counters["frames"]["total"] == frames  # the rest loaded whole
-    assert len(list((tmp_path / "cache" / "graphs").iterdir())) == 4
+    assert len(list((tmp_path / "cache" / "graphs").iterdir())) == 6

@@ -28,13 +28,21 @@ def test_graph_sizes_cover_max_num_seqs():
     assert graph_sizes(64) == [1, 2, 4, 8]
 
 
+def test_a_speculating_engine_has_a_graph_of_one_verify_step():
+    assert graph_sizes(32, 5) == [1, 2, 4, 5, 8]  # k = 4: not padded to 8
+    assert graph_sizes(1, 5) == [1, 5]
+    assert graph_sizes(4, 4) == [1, 2, 4]  # already a size
+    assert graph_sizes(8, 17) == [1, 2, 4, 8, 17]
+    assert graph_sizes(8, 33) == [1, 2, 4, 8]  # past the chunked steps: in chunks of 8
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fp4", [False, True], ids=["plain-experts", "fp4-experts"])
 def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch, fp4: bool):
     """FP4 experts (kept FP4 on the CPU) are an opaque op in the graph, as plain ones are."""
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "not-this-one"))
-    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [4])  # one graph
+    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n, verify_rows: [4])  # one graph
     ckpt = save_tiny_moe(tmp_path / "tiny-moe")
     if fp4:
         quantize_checkpoint(ckpt, tmp_path / "tiny-moe-nvfp4", "nvfp4", False)
@@ -93,7 +101,7 @@ def test_verify_steps_run_in_the_graph_one_row_per_token(tmp_path: Path, monkeyp
     """A sequence's last token and its drafts go through the compiled graph as rows of one
     block table; the rows see each other causally, so speculation keeps eager's tokens."""
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [2, 8])
+    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n, verify_rows: [2, 8])
     ckpt = save_tiny_moe(tmp_path / "tiny-moe")
     # Prompts that repeat themselves, so prompt lookup drafts from the first step on.
     ps = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7]
@@ -140,7 +148,7 @@ def test_bf16_graphs_match_eager_steps(tmp_path: Path, monkeypatch, any_dtype_na
     writes match an eager step's to bf16's precision (greedy tokens may part on near ties, so
     the step is compared, not the tokens)."""
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [4])
+    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n, verify_rows: [4])
     ckpt = save_tiny_moe(tmp_path / "tiny-moe")
     engine = LLMEngine(
         load_checkpoint(ckpt, torch.bfloat16),
@@ -179,7 +187,7 @@ def test_bf16_weights_held_narrow_compute_what_fp32_weights_do(tmp_path: Path, m
     the memory) and widen as they are used. Widening is exact, so eager logits equal those of
     the model widened at load, bit for bit, and compiled steps give its greedy tokens."""
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n: [4])
+    monkeypatch.setattr(llm_engine, "graph_sizes", lambda n, verify_rows: [4])
     monkeypatch.setattr(
         "serving.model.dtype.is_supported", lambda dtype, device=None: dtype == torch.float32
     )

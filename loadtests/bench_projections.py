@@ -1,0 +1,83 @@
+"""One row's projection inside a compiled decode step: inductor's fused reduction against the
+C++ op of `kernels/cpu_dense.py`, by weight shape (`serving/model/linear.py` picks by size).
+
+Each graph runs eight projections of one shape, chained as a step's are (each output feeds
+the next), so a call's fixed cost is shared as in a real step; the two forms alternate within
+each round and the median of the rounds is printed, per projection, with the ratio.
+
+    python loadtests/bench_projections.py [--threads 1] [--rounds 5]
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kernels import cpu_dense
+
+# (rows of the weight, its columns): a decoder layer's qkv and o of the demo models, the MTP
+# layer's eh_proj, demo-highspeed's LM head, the benchmark shape's LM head.
+SHAPES = [(512, 256), (256, 256), (256, 512), (2746, 256), (8192, 256)]
+CHAIN = 8
+
+
+def _next(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The next projection's input: this one's output, cut or repeated to x's width."""
+    k, n = x.shape[-1], y.shape[-1]
+    return x + (y[..., :k] if n >= k else y.repeat(1, k // n))
+
+
+def reduction(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    for w in ws:
+        x = _next(x, (x.unsqueeze(-2) * w).sum(-1))
+    return x
+
+
+def op(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    for w in ws:
+        x = _next(x, cpu_dense.dense_linear(x, w))
+    return x
+
+
+def _us(fn, calls: int = 500) -> float:
+    for _ in range(20):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls / CHAIN * 1e6
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch._dynamo.config.recompile_limit = 64  # a graph per shape and dtype
+    if not cpu_dense.available():
+        raise SystemExit("the C++ dense ops could not be built: nothing to compare")
+    print(f"one row, {args.threads} thread(s), us per projection, median of {args.rounds} rounds")
+    print("| weight | dtype | fused reduction | C++ op | op / reduction |")
+    print("|---|---|---|---|---|")
+    for n, k in SHAPES:
+        for dtype in (torch.bfloat16, torch.float32):
+            g = torch.Generator().manual_seed(n + k)
+            ws = [(torch.randn(n, k, generator=g) * k**-0.5).to(dtype) for _ in range(CHAIN)]
+            x = torch.randn(1, k, generator=g)
+            forms = {f: torch.compile(f, dynamic=False, fullgraph=True) for f in (reduction, op)}
+            times: dict[str, list[float]] = {f.__name__: [] for f in forms}
+            for compiled in forms.values():
+                compiled(x, ws)
+            for _ in range(args.rounds):
+                for f, compiled in forms.items():
+                    times[f.__name__].append(_us(lambda c=compiled, x=x, ws=ws: c(x, ws)))
+            red, cpp = (statistics.median(times[name]) for name in ("reduction", "op"))
+            name = str(dtype).removeprefix("torch.")
+            print(f"| [{n}, {k}] | {name} | {red:.1f} | {cpp:.1f} | {cpp / red:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
