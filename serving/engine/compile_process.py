@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from serving.engine.engine_config import EngineConfig
+from serving.engine.process_priority import make_idle
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,7 @@ def spawn(checkpoint: Path, config: EngineConfig) -> subprocess.Popen:
         env=env,
     )
     # Idle priority, which its compiler processes inherit: it runs on what the server leaves.
-    # Set from here, so that its start (Python, its imports) runs at that priority too.
-    os.sched_setscheduler(process.pid, os.SCHED_IDLE, os.sched_param(0))
+    make_idle(process.pid)
     assert process.stdin is not None
     process.stdin.write(pickle.dumps(spec))
     process.stdin.close()

@@ -11,8 +11,10 @@ A restart's start is mostly imports (torch, dynamo, inductor, FastAPI), so, as a
 pool keeps workers forked ahead, the supervisor keeps one standby per embedded tier once the
 tier is ready: `tierserve engine --standby` past its imports, waiting for a line on its stdin
 before it loads the checkpoint and binds the tier's port. A tier that dies is replaced by its
-standby, and a new standby is started once the replacement is ready. A standby holds no
-weights (the imports' memory only) and exits when its stdin closes.
+standby, and a new standby is started once the replacement is ready, at idle priority until
+it takes over (`serving/engine/process_priority.py`), so its imports do not slow the tier that
+replaced the last one. A standby holds no weights (the imports' memory only) and exits when
+its stdin closes.
 
 Children run in their own process group (a Ctrl-C at the terminal reaches only the gateway,
 which drains before it stops them) and, on Linux, get SIGTERM from the kernel if the
@@ -31,6 +33,7 @@ import sys
 import time
 
 from router.policy import Tier
+from serving.engine.process_priority import can_leave_idle, make_idle, make_normal
 from serving.gateway.config import EmbeddedTier, SupervisedTier, SupervisorConfig, VllmTier
 from serving.gateway.upstream import Probe, TierState, Upstream
 from serving.gateway.vllm_tier import vllm_command, vllm_env
@@ -88,14 +91,16 @@ def _kill_group(pid: int) -> None:
 
 
 async def _release(standby: asyncio.subprocess.Process) -> bool:
-    """Tell a standby to start; False if it has died meanwhile."""
+    """Tell a standby to start, at normal priority again; False if it has died meanwhile."""
     assert standby.stdin is not None
     if standby.returncode is not None:
         return False
     try:
+        if can_leave_idle():
+            make_normal(standby.pid)
         standby.stdin.write(b"start\n")
         await standby.stdin.drain()
-    except (BrokenPipeError, ConnectionResetError):
+    except (BrokenPipeError, ConnectionResetError, ProcessLookupError):
         return False
     return True
 
@@ -108,6 +113,7 @@ class Supervisor:
         self._standbys: dict[Tier, asyncio.subprocess.Process] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._began = time.monotonic()
+        self._warned_priority = False
         self._announced = False  # the all-ready line has been logged
 
     async def start(self) -> None:
@@ -217,6 +223,16 @@ class Supervisor:
         standby = self._standbys.get(upstream.tier)
         if standby is None or standby.returncode is not None:
             standby = await self._start_process(upstream, standby=True)
+            # Its imports at idle priority: they would slow the tier it stands by for.
+            if can_leave_idle():
+                make_idle(standby.pid)
+            elif not self._warned_priority:
+                self._warned_priority = True
+                log.warning(
+                    "standbys start at normal priority: this user may not move a process out "
+                    "of idle priority again (RLIMIT_NICE), so their imports share the CPU "
+                    "with the tiers"
+                )
             self._standbys[upstream.tier] = standby
             upstream.standby_pid = standby.pid
             log.info("tier %s: standby pid %d", upstream.tier, standby.pid)

@@ -77,6 +77,7 @@ def test_sigkill_of_a_tier_under_load(random_checkpoint: Path, tmp_path: Path):
             time.sleep(0.1)  # started once the tier is ready
         pids = child_pids(gw)
         assert standby_pid in pids
+        assert policies(standby_pid) == {os.SCHED_IDLE}  # its imports yield to the tiers
         full_pid = gw.health()["tiers"]["full"]["pid"]
         streams = [Stream(gw.url, "full") for _ in range(3)]
         load = Load(gw.url)
@@ -107,9 +108,15 @@ def test_sigkill_of_a_tier_under_load(random_checkpoint: Path, tmp_path: Path):
         health = gw.health()
         assert health["status"] == "ok" and health["tiers"]["full"]["restarts"] == 1
         assert health["tiers"]["full"]["pid"] == standby_pid
+        assert policies(standby_pid) == {os.SCHED_OTHER}  # serving at normal priority
         assert health["tiers"]["full"]["standby_pid"] not in (None, standby_pid)
     finally:
         stop(gw, child_pids(gw))
+
+
+def policies(pid: int) -> set[int]:
+    """The scheduling policies of a process's threads."""
+    return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
 
 
 def _bindable(port: int) -> bool:
