@@ -92,9 +92,6 @@ template <int G, typename cache_t>
 inline void add_weighted_rows(float* o, const float* p, int64_t len, const cache_t* v,
                               int64_t stride, int64_t n, int64_t D) {
   constexpr int U = kUnroll<G>;
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t b = 0; b < D * int64_t(sizeof(cache_t)); b += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(v + j * stride) + b, 0, 3);
   int64_t d = 0;
   // U vectors of each head at a time, then the last few one at a time.
   auto columns = [&]<int W>(std::integral_constant<int, W>) {

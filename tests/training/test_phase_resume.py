@@ -64,18 +64,18 @@ def _outputs(work: Path) -> tuple[list[tuple], bytes]:
     return [tuple(row[k] for k in keys) for row in rows], weights
 
 
+def _run_to_end(src: Path, work: Path, init: Path) -> None:
+    subprocess.run(
+        _command(src, work, init), env=env(), check=True, timeout=600, capture_output=True
+    )
+
+
 def test_a_chain_cut_mid_phase_resumes_to_the_uncut_result(random_checkpoint, tmp_path) -> None:
     src = tmp_path / "recipe"
     src.mkdir()
     (src / "sft.toml").write_text(STAGE)
     straight, cut = tmp_path / "straight", tmp_path / "cut"
-    subprocess.run(
-        _command(src, straight, random_checkpoint),
-        env=env(),
-        check=True,
-        timeout=600,
-        capture_output=True,
-    )
+    _run_to_end(src, straight, random_checkpoint)
     proc = subprocess.Popen(
         _command(src, cut, random_checkpoint),
         env=env(),
@@ -91,13 +91,7 @@ def test_a_chain_cut_mid_phase_resumes_to_the_uncut_result(random_checkpoint, tm
     proc.wait()
     assert not (cut / "sft-think" / "second" / "summary.json").exists()  # cut mid-phase
     assert not (cut / "sft-think" / "first" / "checkpoints").exists()  # finished: pruned
-    subprocess.run(
-        _command(src, cut, random_checkpoint),
-        env=env(),
-        check=True,
-        timeout=600,
-        capture_output=True,
-    )
+    _run_to_end(src, cut, random_checkpoint)
     log, weights = _outputs(straight)
     assert [row[:2] for row in log] == [("first", s) for s in range(4)] + [
         ("second", s) for s in range(4, 10)

@@ -62,7 +62,8 @@ def recurrent_gated_delta_rule(
         delta = beta[:, :, t, None] * (v[:, :, t] - predicted)
         s = s + k[:, :, t, :, None] * delta[:, :, None, :]
         out[:, :, t] = (q[:, :, t, :, None] * s).sum(-2)
-        states.append(s)
+        if every_state:
+            states.append(s)
     return out, torch.stack(states, dim=2) if every_state else s
 
 
