@@ -190,7 +190,7 @@ def main() -> None:
         )
     )
     if not eager:
-        engine.runner.graphs.wait()
+        engine.runner.paged.graphs.wait()
     vocab = engine.model.config.vocab_size
     rows = []
     try:

@@ -97,7 +97,7 @@ def bench_dtype(path: Path, dtype: str, concurrency: list[int], new: int) -> lis
         config = EngineConfig(max_num_seqs=32, max_num_batched_tokens=1024, enforce_eager=eager)
         engines[eager] = LLMEngine(load_checkpoint(path, torch_dtype), config, eos_token_ids=[])
     start = time.monotonic()
-    engines[False].runner.graphs.wait()
+    engines[False].runner.paged.graphs.wait()
     print(f"{dtype}: decode steps compiled in {time.monotonic() - start:.1f} s")
     vocab = hf.config.vocab_size
     for engine in engines.values():  # warm up all three

@@ -134,8 +134,8 @@ def main() -> None:
             max_num_seqs=max(args.concurrency), max_num_batched_tokens=1024, enforce_eager=False
         )
         engines[name] = LLMEngine(model, config, [])
-        if engines[name].runner.graphs:
-            engines[name].runner.graphs.wait()
+        if engines[name].runner.paged.graphs:
+            engines[name].runner.paged.graphs.wait()
     vocab = engines["fp32"].runner.model.config.vocab_size
     for engine in engines.values():
         decode_tokens_per_second(engine, make_prompts(2, vocab, seed=99), 8)  # warm up

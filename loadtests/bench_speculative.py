@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.config import ModelConfig
-from serving.model.paged import TokenSpan
+from serving.model.spans import TokenSpan
 from serving.model.tokenizer import Tokenizer
 from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig
@@ -82,13 +82,13 @@ def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
     def mtp(n: int) -> float:
         """The drafter's step over n positions as it runs (compiled unless eager)."""
         proposer = target.speculator.proposer
-        hidden = torch.zeros(n, target.model.config.hidden_size, dtype=target.runner.dtype)
+        hidden = torch.zeros(n, target.model.config.hidden_size, dtype=target.runner.paged.dtype)
         return _ms(lambda: proposer.draft_rows(span(n), hidden))
 
-    decode = _ms(lambda: target.runner.forward(span(1)))
-    verify = _ms(lambda: target.runner.forward(span(k + 1))) / decode - 1
+    decode = _ms(lambda: target.runner.paged.forward(span(1)))
+    verify = _ms(lambda: target.runner.paged.forward(span(k + 1))) / decode - 1
     sizes = sorted({1, 2, 4, k + 1, 8})
-    rows = {n: _ms(lambda n=n: target.runner.forward(span(n))) for n in sizes}
+    rows = {n: _ms(lambda n=n: target.runner.paged.forward(span(n))) for n in sizes}
     print(
         f"one sequence's step of {' / '.join(map(str, rows))} tokens: "
         + " / ".join(f"{t:.2f}" for t in rows.values())
@@ -96,7 +96,7 @@ def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
         + " / ".join(f"{t / rows[1]:.2f}x" for t in rows.values())
         + " a one-row step"
     )
-    draft_c = _ms(lambda: draft.runner.forward(span(1))) / decode
+    draft_c = _ms(lambda: draft.runner.paged.forward(span(1))) / decode
     print(f"plain decode step {decode:.2f} ms; in decode steps:")
     print(f"  ngram: fixed {verify:.2f}, per draft 0")
     if isinstance(target.speculator.proposer, MTPProposer):  # the benchmark shape has none

@@ -32,7 +32,7 @@ def decode_engine(path: Path, dtype: str, streams: int, steps: int, eager: bool)
         eos_token_ids=[],
     )
     if not eager:
-        engine.runner.graphs.wait()
+        engine.runner.paged.graphs.wait()
     params = SamplingParams(max_tokens=3 * steps + 8, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(streams, engine.model.config.vocab_size, seed=7)):
         engine.add_request(f"profile-{i}", prompt[:128], params)

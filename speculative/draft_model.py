@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from serving.model.checkpoint import load_checkpoint
-from serving.model.paged import PagedModel, TokenSpan
+from serving.model.paged import PagedModel
+from serving.model.spans import TokenSpan
 from serving.sampling.rejection import draw, processed_probs
 from speculative.proposer import BlockAllocator, DraftSequence, TargetStep
 
@@ -61,7 +62,7 @@ class DraftModelProposer:
         model = load_checkpoint(path, dtype, device)
         if model.config.vocab_size > vocab or model.config.num_experts:
             raise ValueError(f"{path}: a draft model must be dense and share the tokenizer")
-        self.runner = PagedModel(model, blocks.num_blocks, blocks.block_size)
+        self.paged = PagedModel(model, blocks.num_blocks, blocks.block_size)
         self.blocks = blocks
         self.vocab = vocab
         self.max_len = model.config.max_position_embeddings
@@ -108,10 +109,10 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor | None]] = [[] for _ in live]
         for depth in range(max(todo)):
             active = [i for i in order if todo[i] > depth]
-            hidden = self.runner.forward([spans[i] for i in active])
+            hidden = self.paged.forward([spans[i] for i in active])
             lengths = [len(spans[i].token_ids) for i in active]
-            ends = torch.tensor(lengths, device=self.runner.device).cumsum(0) - 1
-            logits = self.runner.model.compute_logits(hidden[ends])[:, : self.vocab]
+            ends = torch.tensor(lengths, device=self.paged.device).cumsum(0) - 1
+            logits = self.paged.model.compute_logits(hidden[ends])[:, : self.vocab]
             tokens, qs = propose_tokens(logits, [live[i] for i in active])
             for i, token, q in zip(active, tokens, qs, strict=True):
                 shadow, seq = shadows[i], live[i]

@@ -3,7 +3,7 @@
 The MTP layer at position t combines the target's final hidden state at t with the
 embedding of token t + 1 and predicts token t + 2. It is a decoder block with attention,
 so it keeps keys and values of its own for every position: they live in the target's
-blocks (the model runner gives the MTP block a cache shaped like the target layers'), and
+blocks (the paged model gives the MTP block a cache shaped like the target layers'), and
 after every step the layer runs over the positions the target just computed ("catch-up"),
 with this step's hidden states. Its output at the last computed position predicts the
 first draft; further drafts chain the same layer on its own output and the previous draft
@@ -27,8 +27,10 @@ only lower acceptance, never change outputs.
 import torch
 
 from serving.model.causal_lm import CausalLM
+from serving.model.decode_graphs import DecodeGraphs
 from serving.model.mtp_graphs import DraftRows, MTPDraftStep, MTPGraphs
-from serving.model.paged import PagedModel, TokenSpan, graph_rows
+from serving.model.paged import PagedModel
+from serving.model.spans import TokenSpan, graph_rows
 from speculative.draft_model import propose_tokens
 from speculative.proposer import BlockAllocator, DraftSequence, TargetStep
 
@@ -38,16 +40,17 @@ IDLE_STEPS_KEPT = 8
 
 
 class MTPProposer:
-    def __init__(self, runner: PagedModel, blocks: BlockAllocator, vocab: int) -> None:
-        """Where the target's steps are compiled (`runner.graphs`), so are the drafter's
-        (`graphs`, compiled after the target's)."""
-        model: CausalLM = runner.model
+    def __init__(self, paged: PagedModel, blocks: BlockAllocator, vocab: int) -> None:
+        """Where the target's steps are compiled on a CPU (`paged.graphs`), so are the
+        drafter's (`graphs`, compiled after the target's)."""
+        model: CausalLM = paged.model
         if not model.mtp:
             raise ValueError("method 'mtp' needs a checkpoint with MTP weights (tierserve_mtp)")
-        self.runner = runner
+        self.paged = paged
         self.model = model
         self.step = MTPDraftStep(model)
-        self.graphs = MTPGraphs(self.step, runner.graphs) if runner.graphs is not None else None
+        target = paged.graphs
+        self.graphs = MTPGraphs(self.step, target) if isinstance(target, DecodeGraphs) else None
         self.hidden_size = model.config.hidden_size
         self.blocks = blocks
         self.vocab = vocab
@@ -62,7 +65,9 @@ class MTPProposer:
         span's last position. In the compiled graphs where the step fits, else eagerly."""
         lengths = [len(s.token_ids) for s in spans]
         graphs = self.graphs
-        if graphs is not None and graphs.fits(sum(lengths), max(len(s.block_table) for s in spans)):
+        if graphs is not None and graphs.fits_rows(
+            sum(lengths), max(len(s.block_table) for s in spans)
+        ):
             out = graphs.draft(hidden, *graph_rows(spans))
             if len(out) > len(spans):  # a catch-up of several positions
                 out = out[torch.tensor(lengths).cumsum(0) - 1]
@@ -70,7 +75,7 @@ class MTPProposer:
         else:
             # Eagerly, single positions first (`PagedModel.prepare`), the head on the last rows.
             order = sorted(range(len(spans)), key=lambda i: lengths[i] != 1)
-            ids, positions, meta = self.runner.prepare([spans[i] for i in order])
+            ids, positions, meta = self.paged.prepare([spans[i] for i in order])
             parts = hidden.split(lengths)
             out = self.step.hidden(ids, positions, meta, torch.cat([parts[i] for i in order]))
             ends = torch.tensor([lengths[i] for i in order]).cumsum(0) - 1

@@ -23,7 +23,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto: the model's dtype
     device: str = "auto"  # where `from_checkpoint` loads the model; the engine runs there
     # vLLM's flag: no compiled decode steps on a CPU (`serving/model/decode_graphs.py`), no
-    # CUDA graphs on a GPU (`serving/engine/cuda_graphs.py`). Eager here, so tests, training
+    # CUDA graphs on a GPU (`serving/model/cuda_graphs.py`). Eager here, so tests, training
     # rollouts and scripts start at once; `tierserve engine` and `generate` and gateway tiers
     # capture unless given --enforce-eager, as vLLM does.
     enforce_eager: bool = True

@@ -1,4 +1,4 @@
-"""An engine's cache and runner for a hybrid model, and what the family does not do yet.
+"""An engine's cache and paged model for a hybrid model, and what the family does not do yet.
 
 Its memory budget goes to DeltaNet state slots first, one per sequence that may run
 (`max_num_seqs`), and the rest to KV blocks for the full-attention layers alone, so a hybrid
@@ -16,10 +16,9 @@ import torch
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.engine_config import EngineConfig
-from serving.engine.model_runner import HybridModelRunner
 from serving.engine.state_slots import StateSlots
 from serving.model.hybrid.model import HybridCausalLM
-from serving.model.hybrid.paged import hybrid_kv_bytes_per_block
+from serving.model.hybrid.paged import PagedHybridModel, hybrid_kv_bytes_per_block
 from serving.model.hybrid.slots import state_bytes_per_slot
 
 log = logging.getLogger(__name__)
@@ -36,10 +35,9 @@ def hybrid_parts(
     config: EngineConfig,
     budget: int,
     kv_dtype: torch.dtype,
-    eos_token_ids: list[int],
-) -> tuple[HybridModelRunner, BlockManager, StateSlots]:
-    """The runner, block manager and state slots of an engine serving `model` in `budget`
-    bytes of cache."""
+) -> tuple[PagedHybridModel, BlockManager, StateSlots]:
+    """The paged model, block manager and state slots of an engine serving `model` in
+    `budget` bytes of cache."""
     if config.speculative is not None and config.speculative.method == "mtp":
         raise ValueError(
             "MTP speculative decoding is not supported for hybrid (Qwen3-Next) models: their "
@@ -53,8 +51,6 @@ def hybrid_parts(
     slot_bytes = num_slots * state_bytes_per_slot(model.config, model.embed_tokens.weight.dtype)
     per_block = hybrid_kv_bytes_per_block(model.config, config.block_size, kv_dtype)
     num_blocks = check_num_blocks((budget - slot_bytes) // per_block, budget)
-    runner = HybridModelRunner(
-        model, num_blocks, config.block_size, num_slots, eos_token_ids, kv_dtype
-    )
+    paged = PagedHybridModel(model, num_blocks, config.block_size, num_slots, kv_dtype)
     blocks = BlockManager(num_blocks, config.block_size, enable_prefix_caching=False)
-    return runner, blocks, StateSlots(num_slots)
+    return paged, blocks, StateSlots(num_slots)

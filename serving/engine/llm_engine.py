@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from serving.engine import compile_process, cuda_graphs
+from serving.engine import compile_process
 from serving.engine.block_manager import BlockManager
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.engine_config import CPU_KV_CACHE_BYTES, EngineConfig
@@ -22,10 +22,11 @@ from serving.engine.sequence import Sequence
 from serving.engine.state_slots import StateSlots
 from serving.engine.token_vocabulary import json_vocabulary
 from serving.engine.tool_constraint import OptionalToolCallConstraint, ToolCallConstraint
+from serving.model import cuda_graphs
 from serving.model.causal_lm import CausalLM
 from serving.model.checkpoint import load_checkpoint
 from serving.model.config import ModelConfig
-from serving.model.decode_graphs import Progress, graph_sizes
+from serving.model.decode_graphs import DecodeGraphs, Progress, graph_sizes
 from serving.model.device import kv_cache_budget, resolve_device
 from serving.model.dtype import resolve_kv_cache_dtype
 from serving.model.host_memory import retain_freed_memory
@@ -33,7 +34,7 @@ from serving.model.host_threads import TorchThreads
 from serving.model.hybrid.checkpoint import load_hybrid_checkpoint
 from serving.model.hybrid.config import is_hybrid_checkpoint
 from serving.model.hybrid.model import HybridCausalLM
-from serving.model.paged import kv_bytes_per_block
+from serving.model.paged import PagedModel, kv_bytes_per_block
 from serving.model.tokenizer import Tokenizer
 from serving.sampling.params import SamplingParams, TokenLogprob
 from speculative.config import SpeculativeConfig
@@ -90,7 +91,6 @@ class LLMEngine:
         )
         weight = model.embed_tokens.weight
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, weight.dtype, weight.device)
-        graphs = cuda_graphs.enabled(weight.device, config.enforce_eager)
         budget = config.kv_cache_bytes
         if budget is None and weight.device.type == "cuda":
             budget = kv_cache_budget(weight.device, config.gpu_memory_utilization)
@@ -102,29 +102,24 @@ class LLMEngine:
         eos = sorted(self.eos_token_ids)
         self.state_slots: StateSlots | None = None
         if isinstance(model, HybridCausalLM):
-            graphs = False
-            self.runner, self.blocks, self.state_slots = hybrid_parts(
-                model, config, budget, kv_dtype, eos
-            )
+            paged, self.blocks, self.state_slots = hybrid_parts(model, config, budget, kv_dtype)
         else:
             per_block = kv_bytes_per_block(model.config, config.block_size, kv_dtype)
             if config.speculative and config.speculative.method == "draft":
                 # The draft model keeps as many blocks as the target (`_proposer`): one budget.
                 draft = ModelConfig.from_file(Path(config.speculative.model) / "config.json")
                 per_block += kv_bytes_per_block(draft, config.block_size, weight.dtype)
-            # Less the spare block of CUDA graphs' padded rows (below).
-            num_blocks = check_num_blocks(budget // per_block - graphs, budget)
+            num_blocks = check_num_blocks(budget // per_block, budget)
             self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-            self.runner = ModelRunner(
+            paged = PagedModel(
                 model,
-                num_blocks + graphs,
+                num_blocks,
                 config.block_size,
-                eos,
                 kv_dtype,
-                # Compiled decode steps on a CPU; a GPU's are CUDA graphs (below).
-                None if config.enforce_eager or graphs else self._graph_sizes(config),
+                None if config.enforce_eager else self._graph_sizes(config, weight.device),
                 compile_apart,
             )
+        self.runner = ModelRunner(paged, eos)
         num_blocks = self.blocks.num_blocks
         self.max_model_len = min(
             config.max_model_len or model.config.max_position_embeddings,
@@ -134,10 +129,6 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.state_slots
         )
-        if graphs:  # block `num_blocks` is never handed out: padded rows write there
-            self.runner.cuda_graphs = cuda_graphs.CUDAGraphs(
-                self.runner, config.max_num_seqs, self.max_model_len, num_blocks
-            )
         self.requests: dict[str, _Request] = {}
         proposer = self._proposer(config.speculative) if config.speculative else None
         self.speculator = (
@@ -147,16 +138,19 @@ class LLMEngine:
         self.graphs = [
             g
             for g in (
-                self.runner.graphs,
+                paged.graphs if isinstance(paged.graphs, DecodeGraphs) else None,
                 proposer.graphs if isinstance(proposer, MTPProposer) else None,
             )
             if g is not None
         ]
 
     @staticmethod
-    def _graph_sizes(config: EngineConfig) -> list[int]:
-        """The compiled decode steps' sizes: the batch sizes, and a speculating engine's
-        verify step of one sequence (its most drafts and the token before them)."""
+    def _graph_sizes(config: EngineConfig, device: torch.device) -> list[int]:
+        """The compiled decode steps' sizes: CUDA graphs at vLLM's capture sizes; on a CPU
+        the batch sizes, and a speculating engine's verify step of one sequence (its most
+        drafts and the token before them)."""
+        if cuda_graphs.captured_on(device):
+            return cuda_graphs.capture_sizes(config.max_num_seqs)
         spec = config.speculative
         return graph_sizes(config.max_num_seqs, spec.num_speculative_tokens + 1 if spec else 0)
 
@@ -166,12 +160,12 @@ class LLMEngine:
         if config.method == "ngram":
             return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         if config.method == "mtp":
-            return MTPProposer(self.runner, self.blocks, vocab)
+            return MTPProposer(self.runner.paged, self.blocks, vocab)
         # The draft model's own blocks, as many as the target's: a shadow of a sequence
         # never holds more tokens than the sequence.
         blocks = BlockManager(self.blocks.num_blocks, self.blocks.block_size, False)
         return DraftModelProposer(
-            config.model, blocks, vocab, self.runner.dtype, self.runner.device
+            config.model, blocks, vocab, self.runner.paged.dtype, self.runner.paged.device
         )
 
     @classmethod
@@ -249,7 +243,7 @@ class LLMEngine:
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(
-                request_id, list(prompt_token_ids), params, index=i, device=self.runner.device
+                request_id, list(prompt_token_ids), params, index=i, device=self.runner.paged.device
             )
             seq.prefill_leader = seqs[0] if seqs else None
             if (
@@ -310,7 +304,7 @@ class LLMEngine:
         for seq, _ in plan.scheduled:
             seq.scheduled_time = seq.scheduled_time or start  # queue time ends here
         for fork in plan.forks:  # only a hybrid model's scheduler forks
-            self.runner.fork(fork.parent_slot, fork.child_slot, fork.block_copies)
+            self.runner.paged.fork(fork.parent_slot, fork.child_slot, fork.block_copies)
         step = self.runner.run(plan.scheduled)
         now = time.monotonic()
         verified = {s.seq.seq_id for s in step.sampled if s.num_draft_tokens}
@@ -340,7 +334,7 @@ class LLMEngine:
             return self._append(seq, s.token_ids[0], s.logprobs[0] if s.logprobs else None, now)
         self.speculator.record(seq, s.num_draft_tokens, len(s.token_ids) - 1)
         if seq.state_slot is not None:  # a hybrid model's DeltaNet state drops the rejected
-            self.runner.keep_verified(seq.state_slot, len(s.token_ids))
+            self.runner.paged.keep_verified(seq.state_slot, len(s.token_ids))
         delta = SequenceOutput(seq.index)
         for i, token in enumerate(s.token_ids):
             seq.num_computed_tokens += 1  # the token before this one is now in the cache

@@ -2,18 +2,14 @@
 for each sequence that reaches its end (sampled, or drafts verified), and prompt logprobs.
 """
 
-import subprocess
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from serving.engine.cuda_graphs import CUDAGraphs
 from serving.engine.sequence import Sequence
-from serving.model.causal_lm import CausalLM
-from serving.model.hybrid.model import HybridCausalLM
 from serving.model.hybrid.paged import PagedHybridModel
-from serving.model.paged import PagedModel, TokenSpan
+from serving.model.paged import PagedModel
+from serving.model.spans import TokenSpan, long_tensor
 from serving.sampling.logprobs import token_logprobs
 from serving.sampling.params import SamplingRow, TokenLogprob
 from serving.sampling.rejection import verify_drafts
@@ -38,15 +34,15 @@ class StepOutput:
     starts: list[int]  # position of each sequence's first token fed
 
 
-class StepRunner:
-    """What every runner does with a step once its model's paged form computed the hidden
-    states: sampling, draft verification and prompt logprobs for each sequence that reaches
-    its end. A runner class derives from this and from a paged model (`PagedModel`,
-    `PagedHybridModel`), which gives it `forward(spans)` and `_tensor`."""
+class ModelRunner:
+    """What an engine does with a step once its paged model (`PagedModel`, or
+    `PagedHybridModel` for the hybrid family) computed the hidden states, compiled or eager:
+    sampling, draft verification and prompt logprobs for each sequence that reaches its end."""
 
-    model: CausalLM | HybridCausalLM
-    sampler: Sampler
-    cuda_graphs: CUDAGraphs | None = None  # set by the engine on a GPU unless eager
+    def __init__(self, paged: PagedModel | PagedHybridModel, eos_token_ids: list[int]) -> None:
+        self.paged = paged
+        self.model = paged.model
+        self.sampler = Sampler(self.model.config.vocab_size, eos_token_ids)
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> StepOutput:
@@ -54,8 +50,7 @@ class StepRunner:
         reaches its end. A sequence with drafts feeds its last token and the drafts."""
         batch = sorted(batch, key=lambda item: item[1] != 1)  # stable: decodes first
         spans = [_span(seq, n) for seq, n in batch]
-        graphed = self.cuda_graphs is not None and self.cuda_graphs.fits(spans)
-        hidden = self.cuda_graphs.forward(spans) if graphed else self.forward(spans)
+        hidden = self.paged.forward(spans)
         rows, last, verify = [], [], []
         offset = 0
         for seq, n in batch:
@@ -71,7 +66,7 @@ class StepRunner:
                     rows.append(seq)
                     last.append(offset + n - 1)
             offset += n
-        sampled = self._sample(rows, hidden[self._tensor(last)]) if rows else []
+        sampled = self._sample(rows, hidden[long_tensor(self.paged.device, last)]) if rows else []
         sampled += [self._verify(seq, h) for seq, h in verify]
         return StepOutput(sampled, hidden, batch, [s.start for s in spans])
 
@@ -116,42 +111,6 @@ class StepRunner:
         logits = self.model.compute_logits(hidden[lo - 1 - start : hi - 1 - start])
         targets = seq.token_ids[lo:hi]
         seq.prompt_logprobs += token_logprobs(logits, targets, seq.params.prompt_logprobs or 0)
-
-
-class ModelRunner(StepRunner, PagedModel):
-    """The MoE family's (and the dense drafter's) runner."""
-
-    def __init__(
-        self,
-        model: CausalLM,
-        num_blocks: int,
-        block_size: int,
-        eos_token_ids: list[int],
-        kv_cache_dtype: torch.dtype | None = None,
-        graph_sizes: list[int] | None = None,
-        compile_apart: Callable[[], subprocess.Popen] | None = None,
-    ) -> None:
-        PagedModel.__init__(
-            self, model, num_blocks, block_size, kv_cache_dtype, graph_sizes, compile_apart
-        )
-        self.sampler = Sampler(model.config.vocab_size, eos_token_ids)
-
-
-class HybridModelRunner(StepRunner, PagedHybridModel):
-    """The hybrid family's runner: KV blocks for its full-attention layers and `num_slots`
-    DeltaNet state slots (`serving/model/hybrid/paged.py`), always eager."""
-
-    def __init__(
-        self,
-        model: HybridCausalLM,
-        num_blocks: int,
-        block_size: int,
-        num_slots: int,
-        eos_token_ids: list[int],
-        kv_cache_dtype: torch.dtype | None = None,
-    ) -> None:
-        PagedHybridModel.__init__(self, model, num_blocks, block_size, num_slots, kv_cache_dtype)
-        self.sampler = Sampler(model.config.vocab_size, eos_token_ids)
 
 
 def _span(seq: Sequence, n: int) -> TokenSpan:

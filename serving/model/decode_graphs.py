@@ -11,7 +11,9 @@ BLAS's products of a few rows. Half-precision graphs use inductor's GEMM templat
 So, as vLLM does with CUDA graphs, decode steps are padded to the next of a few batch
 sizes and each size has its own graph (`dynamic=False`). A step of several tokens per
 sequence (drafts to verify, a short prefill chunk) takes one row per token
-(`PagedModel.forward`); a step of more tokens than the largest size runs eagerly.
+(`DecodeGraphs.run`); a step of more tokens than the largest size runs eagerly. The paged
+model (`serving/model/paged.py`) builds these on a CPU and `CUDAGraphs` on a GPU, and runs
+a step in whichever it holds where the step fits (`fits`, `run`), else eagerly.
 
 Inputs live in preallocated buffers: token ids, positions, slots, context lengths, block
 tables padded to the longest a sequence can have. Padding rows write their keys and values
@@ -61,6 +63,7 @@ from kernels import cpu_dense, ops
 from serving.model import precompiled
 from serving.model.attention import AttentionMetadata, padded_tables
 from serving.model.causal_lm import CausalLM
+from serving.model.spans import TokenSpan, graph_rows
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +349,20 @@ class DecodeGraphs:
         self._call(padding)
         self.ready_sizes = tuple(sorted((*self.ready_sizes, len(padding.ids))))
 
-    def fits(self, num_rows: int, max_table_len: int) -> bool:
+    def fits(self, spans: list[TokenSpan]) -> bool:
+        """Whether a step over these spans can run in compiled graphs now (`fits_rows`)."""
+        return self.fits_rows(
+            sum(len(s.token_ids) for s in spans), max(len(s.block_table) for s in spans)
+        )
+
+    def run(self, spans: list[TokenSpan]) -> torch.Tensor:
+        """Final hidden states of every token of the spans (decodes first), one row a token:
+        every row's key and value are written before any row attends, and each row attends
+        up to its own position, so the tokens of one span see each other causally, as in a
+        prefill."""
+        return self.run_rows(*graph_rows(spans))
+
+    def fits_rows(self, num_rows: int, max_table_len: int) -> bool:
         """Whether a decode step of `num_rows` rows can run in compiled graphs now: in one,
         or in chunks of the largest compiled one (beyond the largest size, or while the
         larger sizes still compile)."""
@@ -356,20 +372,22 @@ class DecodeGraphs:
             and max_table_len <= self.buffers.block_tables.shape[1]
         )
 
-    def run(
+    def run_rows(
         self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]
     ) -> torch.Tensor:
         """Final hidden states [B, hidden] of one row a token, in the smallest compiled
-        graph of B rows or more (the step must `fit`). Past the largest size compiled yet,
-        the rows run in chunks of it, in order: a decode row depends on no other row of its
-        step, and a span's rows see the keys and values its earlier chunks wrote, as in one
-        graph."""
+        graph of B rows or more (the step must fit: `fits_rows`). Past the largest size
+        compiled yet, the rows run in chunks of it, in order: a decode row depends on no
+        other row of its step, and a span's rows see the keys and values its earlier chunks
+        wrote, as in one graph."""
         b = len(token_ids)
         ready = self.ready_sizes
         size = next((s for s in ready if s >= b), None)
         if size is None:
             parts = [slice(i, i + ready[-1]) for i in range(0, b, ready[-1])]
-            return torch.cat([self.run(token_ids[p], positions[p], block_tables[p]) for p in parts])
+            return torch.cat(
+                [self.run_rows(token_ids[p], positions[p], block_tables[p]) for p in parts]
+            )
         bs = self.block_size
         slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
         rows = torch.tensor([token_ids, positions, slots])

@@ -123,12 +123,12 @@ class MTPGraphs(DecodeGraphs):
         positions: list[int],
         block_tables: list[list[int]],
     ) -> torch.Tensor:
-        """`MTPDraftStep`'s output for these rows (the step must `fit`), in chunks of the
+        """`MTPDraftStep`'s output for these rows (the step must `fits_rows`), in chunks of the
         largest size compiled yet: the hidden buffer holds one graph's rows."""
         step = self.ready_sizes[-1]
         parts = []
         for i in range(0, len(token_ids), step):
             rows = slice(i, i + step)
             self.hidden_rows[: len(token_ids[rows])] = hidden[rows]
-            parts.append(self.run(token_ids[rows], positions[rows], block_tables[rows]))
+            parts.append(self.run_rows(token_ids[rows], positions[rows], block_tables[rows]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -224,7 +224,7 @@ def test_the_draft_models_cache_shares_the_kv_budget() -> None:
     budget = 4 << 20
     engine = _engine(SPECS["draft"], kv_cache_bytes=budget)
     target = engine.model
-    drafter = engine.speculator.proposer.runner.model
+    drafter = engine.speculator.proposer.paged.model
     per_block = sum(
         kv_bytes_per_block(m.config, 16, m.embed_tokens.weight.dtype) for m in (target, drafter)
     )
@@ -245,7 +245,7 @@ def test_compiled_mtp_drafter_keeps_plain_greedy_tokens(chat_prompts, tmp_path, 
     plain, _ = _generate_checked(_engine(None), prompts, params)
     engine = _engine(SPECS["mtp"], enforce_eager=False)
     graphs = engine.speculator.proposer.graphs
-    assert engine.graphs == [engine.runner.graphs, graphs]
+    assert engine.graphs == [engine.runner.paged.graphs, graphs]
     assert engine.warmup() == (0, 2, False, False)
     engine.wait_warm()
     assert engine.warmup() == (2, 2, True, True)
@@ -272,7 +272,7 @@ def test_a_servers_compile_process_stores_the_mtp_graphs_too(tmp_path, monkeypat
         compile_graphs_apart=True,
     )
     engine = LLMEngine.from_checkpoint(TARGET, config)
-    target = engine.runner.graphs
+    target = engine.runner.paged.graphs
     deadline = time.monotonic() + 300
     while not target.ready and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -17,12 +17,8 @@ from serving.model.hybrid.batch import slot_groups
 from serving.model.hybrid.config import FULL, HybridConfig
 from serving.model.hybrid.model import HybridCausalLM
 from serving.model.hybrid.slots import attach_slots, copy_slot, deltanet_layers, reset_slots
-from serving.model.paged import (
-    TokenSpan,
-    layer_kv_bytes_per_block,
-    long_tensor,
-    prepare_spans,
-)
+from serving.model.paged import layer_kv_bytes_per_block
+from serving.model.spans import TokenSpan, long_tensor, prepare_spans
 
 
 def hybrid_kv_bytes_per_block(config: HybridConfig, block_size: int, dtype: torch.dtype) -> int:

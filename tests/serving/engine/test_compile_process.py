@@ -45,7 +45,7 @@ def test_larger_graphs_compile_in_a_process_of_their_own(
     # Ready at one row, while the other process still imports torch and compiles.
     assert engine.warmup() == (1, 2, True, False)
     frames = counters["frames"]["total"]
-    graphs = engine.runner.graphs
+    graphs = engine.runner.paged.graphs
     graphs.wait()
     assert engine.warmup() == (2, 2, True, True)
     assert graphs.ready_sizes == (1, 2)
@@ -71,7 +71,7 @@ def test_a_compile_process_that_stores_nothing_leaves_steps_in_chunks(
         eos_token_ids=[],
         compile_apart=lambda: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]),
     )
-    graphs = engine.runner.graphs
+    graphs = engine.runner.paged.graphs
     with caplog.at_level(logging.WARNING, logger="serving.model.decode_graphs"):
         graphs.wait()
     assert "no decode graph of 2 rows was stored (compile process exit status 3)" in caplog.text

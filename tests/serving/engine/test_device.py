@@ -111,7 +111,7 @@ def test_every_tensor_of_a_step_is_made_on_the_models_device(method):
         spec = SpeculativeConfig(method=method, disable_by_batch_size=None, **draft)
     config = EngineConfig(device="cpu", speculative=spec, max_model_len=256)
     engine = LLMEngine.from_checkpoint(TARGET, config)
-    assert engine.runner.device == torch.device("cpu")
+    assert engine.runner.paged.device == torch.device("cpu")
     assert engine.runner.model.layers[0].self_attn.k_cache.device == torch.device("cpu")
     tok = engine.tokenizer
     prompts = [
@@ -130,7 +130,7 @@ def test_every_tensor_of_a_step_is_made_on_the_models_device(method):
         [o.token_ids for o in outs] for outs in expected
     ]
     engine.add_request("probe", prompts[0], params[1])
-    assert engine.requests["probe"].seqs[0].generator.device == engine.runner.device
+    assert engine.requests["probe"].seqs[0].generator.device == engine.runner.paged.device
     engine.abort("probe")
 
 

@@ -20,7 +20,7 @@ from serving.model.hybrid.checkpoint import load_hybrid_checkpoint
 from serving.model.hybrid.config import HybridConfig
 from serving.model.hybrid.paged import PagedHybridModel, hybrid_kv_bytes_per_block
 from serving.model.hybrid.slots import state_bytes_per_slot
-from serving.model.paged import TokenSpan
+from serving.model.spans import TokenSpan
 from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig
 from tests.serving.model.hybrid_tiny import (

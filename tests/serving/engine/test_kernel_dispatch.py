@@ -18,8 +18,8 @@ import kernels.triton_attention
 import kernels.triton_gemm
 from kernels import ops
 from serving.cli import main
-from serving.engine import cuda_graphs
 from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model import cuda_graphs
 from serving.model.checkpoint import load_checkpoint
 from serving.sampling.params import SamplingParams
 from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
@@ -122,10 +122,10 @@ def test_cuda_graph_decode_steps_serve_what_eager_steps_serve(
         replays.append((len(spans), self))
         return replay(self, spans)
 
-    replay = cuda_graphs.CUDAGraphs.forward
-    monkeypatch.setattr(cuda_graphs, "enabled", lambda device, enforce_eager: not enforce_eager)
+    replay = cuda_graphs.CUDAGraphs.run
+    monkeypatch.setattr(cuda_graphs, "captured_on", lambda device: True)
     monkeypatch.setattr(cuda_graphs.CUDAGraphs, "_forward", forward)
-    monkeypatch.setattr(cuda_graphs.CUDAGraphs, "forward", replay_logged)
+    monkeypatch.setattr(cuda_graphs.CUDAGraphs, "run", replay_logged)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _RerunGraph)
     monkeypatch.setattr(torch.cuda, "graph", capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
@@ -137,4 +137,4 @@ def test_cuda_graph_decode_steps_serve_what_eager_steps_serve(
     # The last step of three decodes padded its fourth row back to the spare block.
     assert graphs.slots[3] == graphs.spare_slot and graphs.context_lens[3] == 1
     eager = EngineConfig(max_num_seqs=4, enforce_eager=True)
-    assert LLMEngine(load_checkpoint(checkpoints["nvfp4"]), eager).runner.cuda_graphs is None
+    assert LLMEngine(load_checkpoint(checkpoints["nvfp4"]), eager).runner.paged.graphs is None

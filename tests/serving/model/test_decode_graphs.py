@@ -15,7 +15,7 @@ from serving.engine import llm_engine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint, quantize_checkpoint, save_checkpoint
 from serving.model.decode_graphs import graph_sizes
-from serving.model.paged import TokenSpan
+from serving.model.spans import TokenSpan
 from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig
 from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
@@ -59,7 +59,7 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch, fp4
         eos_token_ids=[],
     )
     assert any(isinstance(m, QuantizedWeight) for m in compiled.model.modules()) == fp4
-    graphs = compiled.runner.graphs
+    graphs = compiled.runner.paged.graphs
     # Warming while the graph compiles (seconds at least: its thread first imports dynamo).
     assert compiled.warmup() == (0, 1, False, False)
     graphs.wait()
@@ -68,8 +68,8 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch, fp4
     assert eager.warmup().done  # nothing to compile
     compiled_frames = counters["frames"]["total"]
     sizes = []
-    run = graphs.run
-    graphs.run = lambda ids, *a: (sizes.append(len(ids)), run(ids, *a))[1]
+    run = graphs.run_rows
+    graphs.run_rows = lambda ids, *a: (sizes.append(len(ids)), run(ids, *a))[1]
     want = [o[0].token_ids for o in eager.generate(ps, params)]
     got = [o[0].token_ids for o in compiled.generate(ps, params)]
     assert got == want
@@ -89,7 +89,7 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path: Path, monkeypatch, fp4
         EngineConfig(**config, enforce_eager=False),
         eos_token_ids=[],
     )
-    restarted.runner.graphs.wait()
+    restarted.runner.paged.graphs.wait()
     assert restarted.warmup() == (1, 1, True, True)
     assert counters["frames"]["total"] == frames
     assert [o[0].token_ids for o in restarted.generate(ps, params)] == want
@@ -116,16 +116,16 @@ def test_verify_steps_run_in_the_graph_one_row_per_token(tmp_path: Path, monkeyp
         EngineConfig(**config, enforce_eager=False, speculative=spec),
         eos_token_ids=[],
     )
-    graphs = compiled.runner.graphs
+    graphs = compiled.runner.paged.graphs
     graphs.wait()
     steps = []  # (rows, sequences) of each graphed step
-    run = graphs.run
+    run = graphs.run_rows
 
     def recorded(ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         steps.append((len(ids), len({tuple(t) for t in tables})))
         return run(ids, positions, tables)
 
-    graphs.run = recorded
+    graphs.run_rows = recorded
     want = [o[0].token_ids for o in eager.generate(ps, params)]
     got = [o[0].token_ids for o in compiled.generate(ps, params)]
     assert got == want
@@ -155,7 +155,7 @@ def test_bf16_graphs_match_eager_steps(tmp_path: Path, monkeypatch, any_dtype_na
         EngineConfig(max_num_seqs=4, enforce_eager=False),
         eos_token_ids=[],
     )
-    graphs = engine.runner.graphs
+    graphs = engine.runner.paged.graphs
     graphs.wait()
     assert graphs.ready_sizes == (4,)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -165,16 +165,12 @@ def test_bf16_graphs_match_eager_steps(tmp_path: Path, monkeypatch, any_dtype_na
     seqs = list(engine.scheduler.running)
     assert len(seqs) == 3 and all(s.num_output_tokens == 1 for s in seqs)
     spans = [TokenSpan(s.block_table, len(s) - 1, [s.token_ids[-1]]) for s in seqs]
-    ids, positions, meta = engine.runner.prepare(spans)
+    ids, positions, meta = engine.runner.paged.prepare(spans)
     layers = engine.model.layers
     with torch.inference_mode():
         eager = engine.model(ids, positions, meta)
         eager_keys = [layer.self_attn.k_cache.clone() for layer in layers]
-        compiled = graphs.run(
-            [s.token_ids[0] for s in spans],
-            [s.start for s in spans],
-            [s.block_table for s in spans],
-        )
+        compiled = graphs.run(spans)
     assert compiled.dtype == torch.bfloat16
     torch.testing.assert_close(compiled.float(), eager.float(), rtol=3e-2, atol=3e-2)
     for layer, keys in zip(layers, eager_keys, strict=True):
@@ -207,7 +203,7 @@ def test_bf16_weights_held_narrow_compute_what_fp32_weights_do(tmp_path: Path, m
     config = dict(max_num_seqs=4, max_num_batched_tokens=16)
     eager = LLMEngine(wide, EngineConfig(**config), eos_token_ids=[])
     compiled = LLMEngine(narrow, EngineConfig(**config, enforce_eager=False), eos_token_ids=[])
-    compiled.runner.graphs.wait()
-    assert compiled.runner.graphs.ready_sizes == (4,)
+    compiled.runner.paged.graphs.wait()
+    assert compiled.runner.paged.graphs.ready_sizes == (4,)
     want = [o[0].token_ids for o in eager.generate(ps, params)]
     assert [o[0].token_ids for o in compiled.generate(ps, params)] == want

@@ -38,9 +38,9 @@ def quantized(tmp_path_factory) -> dict[str, Path]:
 
 def _greedy(model, prompts_: list[list[int]], tokens: int, **config) -> list:
     engine = LLMEngine(model, EngineConfig(**config), eos_token_ids=[])
-    if engine.runner.graphs:
-        engine.runner.graphs.wait()
-        assert engine.runner.graphs.ready_sizes == tuple(engine.runner.graphs.sizes)
+    if engine.runner.paged.graphs:
+        engine.runner.paged.graphs.wait()
+        assert engine.runner.paged.graphs.ready_sizes == tuple(engine.runner.paged.graphs.sizes)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = engine.generate(prompts_, params)
     return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for [o] in outs]
