@@ -139,10 +139,11 @@ def run_eval_quantization(args: argparse.Namespace) -> None:
 
 
 def run_eval_tasks(args: argparse.Namespace) -> None:
-    from tasks import harness
+    from tasks import DEFAULT_DOMAINS, harness
     from training.reports.evaluation import evaluate_checkpoint
 
-    selection = (args.domains.split(","), args.difficulty, args.n, args.seed, args.concurrency)
+    domains = args.domains.split(",") if args.domains else list(DEFAULT_DOMAINS)
+    selection = (domains, args.difficulty, args.n, args.seed, args.concurrency)
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.model is not None:
         episodes = evaluate_checkpoint(args.model, *selection, **sampling)
@@ -190,7 +191,7 @@ def add_eval_tasks(evals: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--served-model", help="the model name to ask for at --url")
     parser.add_argument("--api-key", default=os.environ.get("TIERSERVE_API_KEY"))
-    parser.add_argument("--domains", default="math,code,terminal,tools")
+    parser.add_argument("--domains", help="comma-separated (default: the chat domains)")
     parser.add_argument("--n", type=int, default=20, help="tasks per domain and difficulty")
     parser.add_argument("--seed", type=int, default=0, help="picks the held-out tasks")
     parser.add_argument("--difficulty", type=int, nargs="+", default=[1, 2, 3])
