@@ -81,8 +81,8 @@ class RetrievalDomain(Domain):
 
     def reference(self, task: Task, style: Style) -> list[str]:
         answer = str(task.data["answer"])
-        if style == "think":
-            found = f"The line of request {task.data['request']}: {task.data['line']}"
+        if style == "think":  # the evidence, id first: what follows the id in the log
+            found = f"The log has: request {task.data['request']} status={answer}"
             return [reasoning_block(found) + answer]
         return [answer]
 
