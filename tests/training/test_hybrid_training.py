@@ -68,6 +68,24 @@ def test_loss_and_gradients_match_transformers(tmp_path: Path) -> None:
         torch.testing.assert_close(ours_by_name[name], grad, rtol=1e-3, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize(
+    "over",
+    [
+        dict(full_attention_interval=2, mlp_only_layers=[1]),  # experts and a dense layer
+        dict(tie_word_embeddings=True, decoder_sparse_step=2),  # tied head, every other sparse
+    ],
+)
+def test_saved_experts_and_tied_heads_load_in_transformers(over: dict, tmp_path: Path) -> None:
+    hf = hf_hybrid_model(**over)
+    hf.save_pretrained(tmp_path / "hf")
+    save_model(load_hybrid_checkpoint(tmp_path / "hf"), tmp_path / "ours")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    batch = _batch()
+    with torch.no_grad():
+        diff = (_hf_logits(again, batch) - _hf_logits(hf, batch)).abs()
+    assert diff[batch.padding_mask].max() <= 1e-5
+
+
 def test_trained_model_saved_loads_in_transformers_and_the_engine(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = new_model(SHAPE)
