@@ -96,8 +96,10 @@ def sft(config: SFTStage, out_dir: Path) -> Path:
         sft_data(config, tokenizer, out_dir, distil=config.teacher is not None), pad_id(tokenizer)
     )
     model = load_model(config.init, keep_fp4=False)  # trained: plain weights
-    if isinstance(model, HybridCausalLM) and (config.keep_layers or config.qat.format):
-        raise ConfigError("keep_layers and [qat] are for the MoE family, not a hybrid model")
+    if isinstance(model, HybridCausalLM) and (
+        config.keep_layers or config.qat.format or cfg.mtp_weight
+    ):
+        raise ConfigError("keep_layers, [qat] and an MTP loss are the MoE family's alone")
     if config.keep_layers is not None:
         model = keep_layers(model, config.keep_layers)
     if config.qat.format is not None:
