@@ -127,7 +127,8 @@ def test_trained_model_saved_loads_in_transformers_and_the_engine(tmp_path: Path
 
 def test_pretrain_stage_trains_a_hybrid_shape(random_checkpoint: Path, tmp_path: Path) -> None:
     """The stages' own path: a hybrid `shape`, the shared trainer (DeepSpeed, ZeRO 0), the
-    bf16 export, which transformers loads; an MTP loss is refused for this family."""
+    bf16 export, which transformers loads; an MTP loss is refused for this family, in
+    pretraining and in SFT."""
     shape = "\n".join(f"{k} = {json.dumps(v)}" for k, v in SHAPE.items() if k != "vocab_size")
     config = tmp_path / "hybrid.toml"
     config.write_text(
@@ -156,3 +157,9 @@ def test_pretrain_stage_trains_a_hybrid_shape(random_checkpoint: Path, tmp_path:
         env=env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert refused.returncode != 0 and "no MTP layers" in refused.stderr
+    sft = ["train", "sft", "--init", str(out / "model"), "--out", str(tmp_path / "sft")]
+    refused = subprocess.run(
+        [*TIERSERVE, *sft, "--set", "data.examples=2", "--set", "train.mtp_weight=0.3"],
+        env=env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "the MoE family's alone" in refused.stderr
