@@ -28,13 +28,13 @@ from tqdm import tqdm
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.sampling.params import SamplingParams
-from tasks import DOMAINS
+from tasks import DEFAULT_DOMAINS, DOMAINS
 from tasks.seeds import train_seed
 
 
 def prompts(engine: LLMEngine, n: int) -> list[list[int]]:
     """First turns of training tasks, across the domains, as the chat template renders them."""
-    domains = list(DOMAINS.values())
+    domains = [DOMAINS[name] for name in DEFAULT_DOMAINS]
     out = []
     for i in range(n):
         task = domains[i % len(domains)].generate(train_seed(i), 1)

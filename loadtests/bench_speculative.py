@@ -30,7 +30,7 @@ from serving.model.tokenizer import Tokenizer
 from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig
 from speculative.mtp import MTPProposer
-from tasks import DOMAINS
+from tasks import DEFAULT_DOMAINS, DOMAINS
 from tasks.seeds import EVAL_SEED_BASE
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -38,7 +38,7 @@ MODELS = Path(__file__).resolve().parent.parent / "models"
 
 def task_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
     """n held-out tasks, domains and difficulties 1-3 in turn, as chat prompts."""
-    domains = list(DOMAINS.values())
+    domains = [DOMAINS[name] for name in DEFAULT_DOMAINS]
     prompts = []
     for i in range(n):
         task = domains[i % len(domains)].generate(EVAL_SEED_BASE + i, 1 + i // len(domains) % 3)

@@ -13,7 +13,7 @@ and tokens are summed over its turns.
 import argparse
 import asyncio
 
-from tasks import DOMAINS
+from tasks import DEFAULT_DOMAINS
 from tasks.harness import Record, run
 
 TIERS = ("full", "highspeed")
@@ -43,8 +43,9 @@ def main() -> None:
     for round_ in range(args.rounds):
         for tier in TIERS if round_ % 2 == 0 else TIERS[::-1]:
             episodes = run(
-                list(DOMAINS), [1, 2, 3], args.n, args.seed, 1, url=args.url, served_model=tier
-            )
+                list(DEFAULT_DOMAINS), [1, 2, 3], args.n, args.seed, 1, url=args.url,
+                served_model=tier,
+            )  # fmt: skip
             records[tier] += asyncio.run(episodes)
     f = {tier: figures(records[tier]) for tier in TIERS}
     print(f"{len(records['full'])} episodes per tier ({args.rounds} rounds), greedy, one stream")

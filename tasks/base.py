@@ -10,6 +10,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tasks.answers import split_reasoning
+
 Style = Literal["think", "short"]  # full tier: <think> trace then answer; highspeed: short answers
 MIN_DIFFICULTY, MAX_DIFFICULTY = 1, 3
 
@@ -53,6 +55,32 @@ class Episode(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release what the episode holds (a sandbox directory)."""
+
+
+class SingleAnswerEpisode(Episode):
+    """One answer, then the verdict: the episode of a domain that asks one question."""
+
+    def __init__(self, task: Task, system: str | None = None) -> None:
+        super().__init__(task, system)
+        self.completion: str | None = None
+
+    def step(self, completion: str) -> bool:
+        reasoning, content = split_reasoning(completion)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        self.messages.append(message)
+        self.completion, self.done = completion, True
+        return True
+
+    def verdict(self) -> Verdict:
+        if self.completion is None:
+            return Verdict(0.0, "no answer")
+        return self.score(self.completion)
+
+    @abstractmethod
+    def score(self, completion: str) -> Verdict:
+        """The verdict on the answer the model gave (its raw text)."""
 
 
 class Domain(ABC):

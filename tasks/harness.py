@@ -158,6 +158,14 @@ async def evaluate(
         for difficulty in difficulties
         for i in range(n)
     ]
+    return await play_tasks(domains, tasks, policy, concurrency)
+
+
+async def play_tasks(
+    domains: dict[str, Domain], tasks: list[Task], policy: Policy, concurrency: int
+) -> list[Record]:
+    """Play `tasks` (each of a domain in `domains`), `concurrency` episodes at a time; the
+    records in the tasks' order."""
     gate = asyncio.Semaphore(concurrency)
     progress = tqdm(total=len(tasks), desc="eval", unit="task")
 
@@ -183,7 +191,7 @@ def _mean_ci(values: list[float]) -> tuple[float, float]:
     return mean, 1.96 * math.sqrt(var / n)
 
 
-def _wilson(successes: int, n: int) -> tuple[float, float]:
+def wilson(successes: int, n: int) -> tuple[float, float]:
     """Wilson 95% interval for a rate: sound at 0% and 100%, unlike the normal one."""
     z = 1.96
     p = successes / n
@@ -203,7 +211,7 @@ def summarize(records: list[Record]) -> list[dict[str, Any]]:
         groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))
     ):
         solved = sum(r.reward >= 1.0 for r in rs)
-        low, high = _wilson(solved, len(rs))
+        low, high = wilson(solved, len(rs))
         tokens = [r.output_tokens for r in rs if r.output_tokens is not None]
         row = {
             "domain": domain,

@@ -28,6 +28,7 @@ from tasks.base import (
     MIN_DIFFICULTY,
     Domain,
     Episode,
+    SingleAnswerEpisode,
     Style,
     Task,
     Verdict,
@@ -273,26 +274,9 @@ def score(task: Task, completion: str) -> Verdict:
     return Verdict(1.0, "correct")
 
 
-class MathEpisode(Episode):
-    """One answer, then the verdict."""
-
-    def __init__(self, task: Task, system: str | None = None) -> None:
-        super().__init__(task, system)
-        self.completion: str | None = None
-
-    def step(self, completion: str) -> bool:
-        reasoning, content = split_reasoning(completion)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
-        self.messages.append(message)
-        self.completion, self.done = completion, True
-        return True
-
-    def verdict(self) -> Verdict:
-        if self.completion is None:
-            return Verdict(0.0, "no answer")
-        return score(self.task, self.completion)
+class MathEpisode(SingleAnswerEpisode):
+    def score(self, completion: str) -> Verdict:
+        return score(self.task, completion)
 
 
 class MathDomain(Domain):

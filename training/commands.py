@@ -139,10 +139,11 @@ def run_eval_quantization(args: argparse.Namespace) -> None:
 
 
 def run_eval_tasks(args: argparse.Namespace) -> None:
-    from tasks import harness
+    from tasks import DEFAULT_DOMAINS, harness
     from training.reports.evaluation import evaluate_checkpoint
 
-    selection = (args.domains.split(","), args.difficulty, args.n, args.seed, args.concurrency)
+    domains = args.domains.split(",") if args.domains else list(DEFAULT_DOMAINS)
+    selection = (domains, args.difficulty, args.n, args.seed, args.concurrency)
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.model is not None:
         episodes = evaluate_checkpoint(args.model, *selection, **sampling)
@@ -174,6 +175,7 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("eval", help="score models on held-out tasks, routers, quantization")
     evals = parser.add_subparsers(required=True, metavar="WHAT")
     add_eval_tasks(evals)
+    add_eval_retrieval(evals)
     add_eval_router(evals)
     add_eval_quantization(evals)
 
@@ -190,7 +192,7 @@ def add_eval_tasks(evals: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--served-model", help="the model name to ask for at --url")
     parser.add_argument("--api-key", default=os.environ.get("TIERSERVE_API_KEY"))
-    parser.add_argument("--domains", default="math,code,terminal,tools")
+    parser.add_argument("--domains", help="comma-separated (default: the chat domains)")
     parser.add_argument("--n", type=int, default=20, help="tasks per domain and difficulty")
     parser.add_argument("--seed", type=int, default=0, help="picks the held-out tasks")
     parser.add_argument("--difficulty", type=int, nargs="+", default=[1, 2, 3])
@@ -203,6 +205,41 @@ def add_eval_tasks(evals: argparse._SubParsersAction) -> None:
         "--max-drop", type=float, default=5.0, help="allowed drop in completion, in points"
     )
     parser.set_defaults(run=run_eval_tasks)
+
+
+def run_eval_retrieval(args: argparse.Namespace) -> None:
+    from serving.model.tokenizer import Tokenizer
+    from training.reports import retrieval
+
+    lines = args.lines or list(retrieval.DEFAULT_LINES)
+    depths = args.depths or list(retrieval.DEFAULT_DEPTHS)
+    tasks = retrieval.retrieval_tasks(lines, depths, args.n, args.seed)
+    records = asyncio.run(
+        retrieval.evaluate_retrieval(args.model, tasks, args.concurrency, args.max_tokens)
+    )
+    result = retrieval.report(tasks, records, Tokenizer.from_dir(args.model))
+    print(retrieval.format_table(result["summary"]))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def add_eval_retrieval(evals: argparse._SubParsersAction) -> None:
+    parser = evals.add_parser(
+        "retrieval", help="long-context retrieval accuracy by log length and needle depth"
+    )
+    parser.add_argument("--model", type=Path, required=True, help="served in process")
+    parser.add_argument(
+        "--lines", type=int, nargs="+", help="log lengths, in lines (default: the domain's three)"
+    )
+    parser.add_argument(
+        "--depths", type=float, nargs="+", help="needle depths in [0, 1] (default: the domain's)"
+    )
+    parser.add_argument("--n", type=int, default=10, help="tasks per length and depth")
+    parser.add_argument("--seed", type=int, default=0, help="picks the held-out tasks")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48, help="the answer's budget")
+    parser.add_argument("--json", type=Path, help="write the summary and every record here")
+    parser.set_defaults(run=run_eval_retrieval)
 
 
 def add_eval_quantization(evals: argparse._SubParsersAction) -> None:

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from tasks import DOMAINS
+from tasks import DEFAULT_DOMAINS, DOMAINS
 
 T = TypeVar("T")
 
@@ -206,7 +206,7 @@ class HighspeedSpec(BaseModel):
 class EvalSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    domains: list[str] = list(DOMAINS)
+    domains: list[str] = list(DEFAULT_DOMAINS)
     difficulties: list[int] = [1, 2, 3]
     n: int = Field(10, ge=1)
     seed: int = 0

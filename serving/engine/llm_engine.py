@@ -24,15 +24,13 @@ from serving.engine.token_vocabulary import json_vocabulary
 from serving.engine.tool_constraint import OptionalToolCallConstraint, ToolCallConstraint
 from serving.model import cuda_graphs
 from serving.model.causal_lm import CausalLM
-from serving.model.checkpoint import load_checkpoint
 from serving.model.config import ModelConfig
 from serving.model.decode_graphs import DecodeGraphs, Progress, graph_sizes
 from serving.model.device import kv_cache_budget, resolve_device
 from serving.model.dtype import resolve_kv_cache_dtype
+from serving.model.families import load_model
 from serving.model.host_memory import retain_freed_memory
 from serving.model.host_threads import TorchThreads
-from serving.model.hybrid.checkpoint import load_hybrid_checkpoint
-from serving.model.hybrid.config import is_hybrid_checkpoint
 from serving.model.hybrid.model import HybridCausalLM
 from serving.model.paged import PagedModel, kv_bytes_per_block
 from serving.model.tokenizer import Tokenizer
@@ -172,10 +170,7 @@ class LLMEngine:
     def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
         config = config or EngineConfig()
         device = resolve_device(config.device)
-        if is_hybrid_checkpoint(path):
-            model = load_hybrid_checkpoint(path, config.dtype, device)
-        else:
-            model = load_checkpoint(path, config.dtype, device)
+        model = load_model(path, config.dtype, device)
         compile_apart = None
         if config.compile_graphs_apart:
             compile_apart = functools.partial(compile_process.spawn, Path(path), config)

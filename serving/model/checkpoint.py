@@ -187,20 +187,34 @@ def save_checkpoint(
     generation_config: dict | None = None,
 ) -> None:
     """Write a directory that transformers, vLLM and our loader all read."""
+    write_directory(model, path, model.config.to_dict(), to_hf_state_dict(model),
+                    tokenizer_dir, generation_config)  # fmt: skip
+
+
+def write_directory(
+    model: torch.nn.Module,
+    path: str | Path,
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    tokenizer_dir: str | Path | None = None,
+    generation_config: dict | None = None,
+) -> None:
+    """A checkpoint directory of either family: `config` (config.json's fields, the dtype
+    added from the model's embedding), `tensors` under transformers' names, the tokenizer
+    files from `tokenizer_dir`, and generation_config.json with the model's special tokens."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
-    config["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    config = dict(config, dtype=str(model.embed_tokens.weight.dtype).removeprefix("torch."))
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_safetensors(path, to_hf_state_dict(model))
+    write_safetensors(path, tensors)
     if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != path.resolve():
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).exists():
                 shutil.copy(Path(tokenizer_dir) / name, path / name)
     gen = generation_config or {}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if getattr(model.config, key) is not None:
-            gen.setdefault(key, getattr(model.config, key))
+        if config.get(key) is not None:
+            gen.setdefault(key, config[key])
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 

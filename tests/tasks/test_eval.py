@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tasks import DOMAINS, opening_requests
+from tasks import DEFAULT_DOMAINS, opening_requests
 from tasks.answers import parse_tool_calls, split_reasoning
 from tasks.harness import assistant_text, regressions, report, run, summarize
 from tasks.seeds import EVAL_SEED_BASE, eval_seed, train_seed
@@ -209,7 +209,7 @@ def test_opening_requests_start_every_domain_easy_and_hard() -> None:
     """The load test's mix (serving/gateway/locustfile.py sends these)."""
     requests = opening_requests(per_kind=3)
     assert [r["kind"] for r in requests] == [
-        f"{d}-{k}" for d in DOMAINS for k in ("easy", "hard") for _ in range(3)
+        f"{d}-{k}" for d in DEFAULT_DOMAINS for k in ("easy", "hard") for _ in range(3)
     ]
     assert all(r["messages"][-1]["role"] == "user" for r in requests)
     assert all((r["tools"] is not None) == r["kind"].startswith("tools") for r in requests)

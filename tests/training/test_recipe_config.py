@@ -140,3 +140,9 @@ def test_a_file_extends_another_table_by_table(tmp_path: Path) -> None:
     (tmp_path / "variant.toml").write_text('extends = "base.toml"\n[train]\nsteps = 3\n')
     raw, phases = read_stage_file(tmp_path / "variant.toml")
     assert raw == {"stage": "sft", "train": {"steps": 3, "seq_len": 64}} and phases == []
+
+
+def test_an_unknown_recipe_names_the_recipes() -> None:
+    """Only directories with a recipe.toml are recipes (hybrid-retrieval is one stage's)."""
+    with pytest.raises(ValueError, match=r"choose from demo, smoke$"):
+        recipe_dir("hybrid-retrieval")

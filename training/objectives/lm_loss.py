@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.model.causal_lm import CausalLM
+from serving.model.families import LanguageModel
 from training.config import TrainConfig
 from training.data.curriculum import domain_sums
 from training.data.datasets import IGNORE, Batch
 from training.objectives.losses import (
     LossFn,
     LossParts,
+    hidden_states,
     kl_sum,
     load_balancing_loss,
     router_z_loss,
@@ -27,7 +28,7 @@ from training.objectives.losses import (
 
 @dataclass
 class Teacher:
-    model: CausalLM
+    model: LanguageModel
     weight: float
     temperature: float
 
@@ -42,14 +43,9 @@ def lm_loss(
     which it predicts after its reasoning (`Batch.teacher`): the short-style student learns
     what the reasoning tier concludes."""
 
-    def loss(model: CausalLM, batch: Batch) -> LossParts:
+    def loss(model: LanguageModel, batch: Batch) -> LossParts:
         router_logits: list[torch.Tensor] | None = [] if model.config.is_moe else None
-        hidden = model(
-            batch.input_ids,
-            batch.positions,
-            padding_mask=batch.padding_mask,
-            router_logits=router_logits,
-        )
+        hidden = hidden_states(model, batch, router_logits)
         logits = model.compute_logits(hidden)
         metrics: dict[str, float] = {}
         ce = token_losses(logits, batch.labels)
@@ -62,7 +58,7 @@ def lm_loss(
             assert batch.teacher is not None  # a dataset built with the teacher's turns
             t = batch.teacher
             with torch.no_grad():
-                t_hidden = teacher.model(t.input_ids, t.positions, padding_mask=t.padding_mask)
+                t_hidden = hidden_states(teacher.model, t)
                 t_logits = teacher.model.compute_logits(t_hidden)
             kd = kl_sum(
                 logits[batch.labels != IGNORE], t_logits[t.labels != IGNORE], teacher.temperature

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from serving.model.causal_lm import CausalLM
+from serving.model.families import LanguageModel
+from serving.model.hybrid.model import HybridCausalLM
 from training.data.datasets import IGNORE, Batch
 
 
@@ -23,7 +24,22 @@ class LossParts:
     metrics: dict[str, float] = field(default_factory=dict)  # summed over micro-batches
 
 
-LossFn = Callable[[CausalLM, Batch], LossParts]
+LossFn = Callable[[LanguageModel, Batch], LossParts]
+
+
+def hidden_states(
+    model: LanguageModel, batch: Batch, router_logits: list[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """The final hidden states [B, L, hidden] of a batch's rows, each a right-padded sequence
+    from its first token. The hybrid family's forward takes no positions: it counts them
+    along each row from the padding mask, as its DeltaNet layers run their recurrence along
+    the row, and leaves a padded token out of their state."""
+    if isinstance(model, HybridCausalLM):
+        return model(batch.input_ids, batch.padding_mask, router_logits=router_logits)[0]
+    return model(
+        batch.input_ids, batch.positions, padding_mask=batch.padding_mask,
+        router_logits=router_logits,
+    )  # fmt: skip
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ TIERS = ("full", "highspeed", "draft")
 def recipe_dir(name: str) -> Path:
     path = Path(str(RECIPES / name))
     if not (path / "recipe.toml").is_file():
-        known = sorted(p.name for p in Path(str(RECIPES)).iterdir() if p.is_dir())
+        known = sorted(p.parent.name for p in Path(str(RECIPES)).glob("*/recipe.toml"))
         raise ValueError(f"unknown recipe {name!r}; choose from {', '.join(known)}")
     return path
 

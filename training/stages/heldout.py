@@ -7,23 +7,23 @@ from pathlib import Path
 
 import torch
 
-from serving.model.causal_lm import CausalLM
+from serving.model.families import LanguageModel
 from tasks import harness
 from training.config import TrainConfig
 from training.data.datasets import SFTDataset
-from training.objectives.losses import token_losses
+from training.objectives.losses import hidden_states, token_losses
 from training.reports.evaluation import evaluate_checkpoint
 from training.stages.outputs import export
 from training.stages.trainer import EvalFn
 
 
-def heldout_copy_loss(model: CausalLM, heldout: SFTDataset) -> float:
+def heldout_copy_loss(model: LanguageModel, heldout: SFTDataset) -> float:
     """Mean cross-entropy at copy positions of SFT examples the run does not train on."""
     total = count = 0.0
     with torch.inference_mode():
         for start in range(0, len(heldout), 8):
             batch = heldout.collate(list(range(start, min(start + 8, len(heldout)))))
-            hidden = model(batch.input_ids, batch.positions, padding_mask=batch.padding_mask)
+            hidden = hidden_states(model, batch)
             ce = token_losses(model.compute_logits(hidden), batch.labels)
             assert batch.copy_mask is not None  # an SFT batch
             total += float(ce[batch.copy_mask].sum())
@@ -42,7 +42,7 @@ def harness_eval(
     engine, with the markdown table written to `OUT/eval-step-N.md`; with `heldout`, the
     copy-position loss on it too (`copy_loss`)."""
 
-    def evaluate(model: CausalLM, step: int) -> dict[str, float]:
+    def evaluate(model: LanguageModel, step: int) -> dict[str, float]:
         copy = {} if heldout is None else {"copy_loss": heldout_copy_loss(model, heldout)}
         snapshot = export(model, out_dir / "eval-model", tokenizer_dir, torch.float32)
         records = asyncio.run(

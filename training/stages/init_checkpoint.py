@@ -12,9 +12,7 @@ from pathlib import Path
 
 import torch
 
-from serving.model.causal_lm import CausalLM
-from serving.model.checkpoint import save_checkpoint
-from serving.model.config import ModelConfig
+from serving.model.families import new_model, save_model
 from training.data.tokenizer import EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_tokenizer
 
 # A ~5M-parameter Qwen3-MoE: small enough to answer instantly on a laptop CPU.
@@ -64,10 +62,8 @@ def init_checkpoint(out_dir: str | Path, shape: dict | None = None, seed: int = 
     shape["vocab_size"] = max(shape["vocab_size"], tok.get_vocab_size())
     shape["eos_token_id"] = tok.token_to_id(EOS_TOKEN)
     shape["pad_token_id"] = tok.token_to_id(PAD_TOKEN)
-    config = ModelConfig.from_dict(shape)
     torch.manual_seed(seed)
-    model = CausalLM(config)
-    model.init_weights()
+    model = new_model(shape)  # either family, by the shape's architectures
     save_tokenizer(tok, out_dir)
-    save_checkpoint(model, out_dir, generation_config={"eos_token_id": shape["eos_token_id"]})
+    save_model(model, out_dir, generation_config={"eos_token_id": shape["eos_token_id"]})
     return out_dir

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from serving.model.causal_lm import CausalLM
-from serving.model.checkpoint import save_checkpoint
-from serving.model.config import ModelConfig
+from serving.model import families
+from serving.model.families import LanguageModel
+from serving.model.hybrid.config import is_hybrid_config
 from serving.model.tokenizer import Tokenizer
-from training.config import StageBase
+from training.config import ConfigError, StageBase
 from training.data.tokenizer import EOS_TOKEN, PAD_TOKEN
 from training.stages.qat import served_state_dict
 from training.stages.trainer import Trainer, init_distributed
@@ -43,38 +43,42 @@ def pad_id(tokenizer: Tokenizer) -> int:
     return tokenizer.raw.token_to_id(PAD_TOKEN)
 
 
-def new_model(shape: dict, tokenizer: Tokenizer, mtp: bool, seed: int) -> CausalLM:
-    """A model of `shape` (config.json fields) with random weights, sized to `tokenizer`."""
+def new_model(shape: dict, tokenizer: Tokenizer, mtp: bool, seed: int) -> LanguageModel:
+    """A model of `shape` (config.json fields, either family) with random weights, sized to
+    `tokenizer`; `mtp` adds an MTP layer, which only the MoE family has."""
     raw = dict(shape)
     raw["vocab_size"] = tokenizer.vocab_size
     raw["eos_token_id"] = tokenizer.raw.token_to_id(EOS_TOKEN)
     raw["pad_token_id"] = pad_id(tokenizer)
+    if mtp and is_hybrid_config(raw):
+        raise ConfigError("the hybrid family has no MTP layers: set train.mtp_weight = 0")
     if mtp:
         raw["tierserve_mtp"] = {"num_layers": 1}
     torch.manual_seed(seed)
-    model = CausalLM(ModelConfig.from_dict(raw))
-    model.init_weights()
-    return model
+    return families.new_model(raw)
 
 
-def export(model: CausalLM, out: Path, tokenizer_dir: Path, dtype: torch.dtype) -> Path:
+def export(model: LanguageModel, out: Path, tokenizer_dir: Path, dtype: torch.dtype) -> Path:
     """A standalone Hugging Face directory of `model` in `dtype` (DeepSpeed's module may hold
     its parameters in another dtype and carry hooks, so the weights are copied out)."""
-    fresh = CausalLM(model.config)
+    fresh = type(model)(model.config)
     state = {k: v.detach().to(dtype).clone() for k, v in served_state_dict(model).items()}
     fresh.load_state_dict(state)
     fresh.to(dtype)
-    save_checkpoint(fresh, out, tokenizer_dir)  # generation_config from the model's config
+    families.save_model(fresh, out, tokenizer_dir)  # generation_config from the model's config
     return out
 
 
-def bf16_export(tokenizer_dir: Path) -> Callable[[CausalLM, Path], Path]:
+def bf16_export(tokenizer_dir: Path) -> Callable[[LanguageModel, Path], Path]:
     """The `write` of `finish` for the stages whose model ships in bf16 as trained."""
     return lambda model, final: export(model, final, tokenizer_dir, torch.bfloat16)
 
 
 def finish(
-    trainer: Trainer, config: StageBase, out_dir: Path, write: Callable[[CausalLM, Path], object]
+    trainer: Trainer,
+    config: StageBase,
+    out_dir: Path,
+    write: Callable[[LanguageModel, Path], object],
 ) -> Path:
     """Train to the end, then rank 0 writes the model with `write` and the summary."""
     model = trainer.fit()

@@ -15,8 +15,10 @@ import torch
 from pydantic import Field, model_validator
 
 from serving.model.checkpoint import load_checkpoint, quantize_checkpoint
+from serving.model.families import load_model
+from serving.model.hybrid.model import HybridCausalLM
 from serving.model.tokenizer import Tokenizer
-from training.config import CurriculumConfig, FromCheckpoint, QATConfig
+from training.config import ConfigError, CurriculumConfig, FromCheckpoint, QATConfig
 from training.data.curriculum import Curriculum
 from training.data.datasets import SFTDataset, build_sft
 from training.data.target_data import target_completions
@@ -93,7 +95,11 @@ def sft(config: SFTStage, out_dir: Path) -> Path:
     dataset = SFTDataset(
         sft_data(config, tokenizer, out_dir, distil=config.teacher is not None), pad_id(tokenizer)
     )
-    model = load_checkpoint(config.init, keep_fp4=False)  # trained: plain weights
+    model = load_model(config.init, keep_fp4=False)  # trained: plain weights
+    if isinstance(model, HybridCausalLM) and (
+        config.keep_layers or config.qat.format or cfg.mtp_weight
+    ):
+        raise ConfigError("keep_layers, [qat] and an MTP loss are the MoE family's alone")
     if config.keep_layers is not None:
         model = keep_layers(model, config.keep_layers)
     if config.qat.format is not None:

@@ -31,8 +31,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from serving.model.causal_lm import CausalLM
 from serving.model.dtype import is_supported
+from serving.model.families import LanguageModel
 from training.config import TrainConfig
 from training.data.datasets import Batch, SampleOrder
 from training.objectives.losses import LossFn
@@ -54,7 +54,7 @@ class Sampler(Protocol):
     def annotate(self, row: dict[str, Any]) -> None: ...
 
 
-EvalFn = Callable[[CausalLM, int], dict[str, float]]  # (model, step) -> completion rates
+EvalFn = Callable[[LanguageModel, int], dict[str, float]]  # (model, step) -> completion rates
 
 
 def autocast_bf16(dtype: str, device: torch.device) -> bool:
@@ -117,7 +117,7 @@ def split_by_length(
 class Trainer:
     def __init__(
         self,
-        model: CausalLM,
+        model: LanguageModel,
         cfg: TrainConfig,
         dataset: Dataset | None,
         out_dir: Path,
@@ -153,7 +153,7 @@ class Trainer:
         self.evals: list[dict[str, float]] = []
 
     @property
-    def model(self) -> CausalLM:
+    def model(self) -> LanguageModel:
         return self.engine.module
 
     @property
@@ -252,7 +252,7 @@ class Trainer:
         (self.out_dir / "evals.json").write_text(json.dumps(self.evals, indent=1) + "\n")
         plot_curves(self.log, self.evals, self.out_dir / "curves.png", self.desc)
 
-    def fit(self) -> CausalLM:
+    def fit(self) -> LanguageModel:
         """Train to `cfg.steps`, resuming from the newest valid checkpoint in `out_dir`."""
         cfg = self.cfg
         start = self._resume()

@@ -1,21 +1,23 @@
-"""Loading a Qwen3-Next checkpoint directory written by transformers into `HybridCausalLM`.
+"""Qwen3-Next checkpoint directories in and out of `HybridCausalLM`: one transformers wrote,
+loaded onto our fused layout, and ours written so that transformers loads it.
 
 Tensor names are transformers' (`model.layers.{i}.linear_attn.in_proj_qkvz.weight`, per-expert
 `mlp.experts.{e}.gate_proj.weight`, ...). The mapping onto our fused layout is the one Qwen3-MoE
 checkpoints use (`serving.model.hf_state_dict.from_hf_state_dict`: q/k/v into `qkv_proj`,
 gate and up into `gate_up_proj`, experts stacked), which our parameter names drive; the
 shared expert's gate and up projections are fused here first, as that mapping knows only the
-layer's own MLP. Every tensor is checked for presence and shape.
+layer's own MLP. Every tensor is checked for presence and shape. Writing undoes each fusion
+and gives the experts one tensor each, as transformers writes them.
 """
 
 from pathlib import Path
 
 import torch
 
-from serving.model.checkpoint import read_safetensors
+from serving.model.checkpoint import read_safetensors, write_directory
 from serving.model.config import CheckpointError
 from serving.model.dtype import resolve_dtype
-from serving.model.hf_state_dict import from_hf_state_dict
+from serving.model.hf_state_dict import from_hf_state_dict, hf_name
 from serving.model.hybrid.config import HybridConfig
 from serving.model.hybrid.model import HybridCausalLM
 
@@ -65,3 +67,43 @@ def _fuse_shared_experts(
             )
         hf[f"{base}.gate_up_proj.weight"] = torch.cat([gate, up])
     return hf
+
+
+def save_hybrid_checkpoint(
+    model: HybridCausalLM,
+    path: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    generation_config: dict | None = None,
+) -> None:
+    """Write a directory that transformers' `Qwen3NextForCausalLM` and our loader both read."""
+    tensors = to_hf_hybrid_state_dict(model)
+    write_directory(model, path, model.config.to_dict(), tensors, tokenizer_dir, generation_config)
+
+
+def to_hf_hybrid_state_dict(model: HybridCausalLM) -> dict[str, torch.Tensor]:
+    """Our tensors under the names transformers writes: the fused projections split again
+    (`q_proj` holds each head's queries and output gate, as stored), experts one by one."""
+    cfg, out = model.config, {}
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    qkv_split = [2 * cfg.num_attention_heads * cfg.head_dim, kv, kv]
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        hf = hf_name(name)
+        base, _, leaf = hf.rpartition(".")
+        if base.endswith("qkv_proj"):
+            prefix = base.removesuffix("qkv_proj")
+            for p, part in zip("qkv", t.split(qkv_split), strict=True):
+                out[f"{prefix}{p}_proj.{leaf}"] = part
+        elif base.endswith("gate_up_proj"):  # a dense MLP or the shared expert
+            prefix = base.removesuffix("gate_up_proj")
+            out[f"{prefix}gate_proj.weight"], out[f"{prefix}up_proj.weight"] = t.chunk(2)
+        elif hf.endswith("mlp.gate_up") or hf.endswith("mlp.down"):
+            for e, expert in enumerate(t):
+                parts = expert.chunk(2) if leaf == "gate_up" else (expert,)
+                names = ("gate", "up") if leaf == "gate_up" else ("down",)
+                for p, part in zip(names, parts, strict=True):
+                    out[f"{base}.experts.{e}.{p}_proj.weight"] = part
+        else:
+            out[hf] = t
+    return {k: v.contiguous() for k, v in out.items()}

@@ -6,7 +6,7 @@ in configs that predate it, from `full_attention_interval`: every interval-th la
 full (transformers' rule).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,11 @@ FULL = "full_attention"
 def is_hybrid_checkpoint(path: str | Path) -> bool:
     """Whether a checkpoint directory holds a Qwen3-Next model (by its config.json), which the
     engine loads with `load_hybrid_checkpoint` rather than as the MoE family."""
-    raw = read_config_json(Path(path) / "config.json")
+    return is_hybrid_config(read_config_json(Path(path) / "config.json"))
+
+
+def is_hybrid_config(raw: dict[str, Any]) -> bool:
+    """Whether config.json fields `raw` describe a Qwen3-Next model."""
     archs = raw.get("architectures") or []
     return (archs[0] if archs else None) == ARCHITECTURE or raw.get("model_type") == MODEL_TYPE
 
@@ -73,6 +77,11 @@ class HybridConfig:
         """Channels of the DeltaNet's causal convolution: queries, keys and values."""
         key_dim = self.linear_num_key_heads * self.linear_key_head_dim
         return 2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer routes to experts (the trainer adds the router losses)."""
+        return any(self.layer_is_sparse(i) for i in range(self.num_hidden_layers))
 
     def layer_is_sparse(self, layer: int) -> bool:
         """The rule of transformers' Qwen3NextDecoderLayer."""
@@ -150,6 +159,23 @@ class HybridConfig:
             )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise CheckpointError("num_experts_per_tok must be in [1, num_experts]")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json that transformers' `Qwen3NextConfig` reads and `from_dict` reads
+        back: RoPE's fields under `rope_parameters`, as transformers writes them."""
+        raw = asdict(self)
+        rope = {
+            "rope_type": "default",
+            "rope_theta": raw.pop("rope_theta"),
+            "partial_rotary_factor": raw.pop("partial_rotary_factor"),
+        }
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": MODEL_TYPE,
+            "hidden_act": "silu",
+            "rope_parameters": rope,
+            **raw,
+        }
 
     @classmethod
     def from_file(cls, path: str | Path) -> "HybridConfig":

@@ -18,7 +18,9 @@ beta = 0 leaves the state as it was: how padding passes through.
 
 On CUDA the sequential parts, the token-by-token recurrence and the chunk-to-chunk one, run
 as Triton kernels that hold the state in registers (`kernels/triton_delta_rule.py`); the
-work within chunks stays the batched PyTorch below on every device.
+work within chunks stays the batched PyTorch below on every device. The kernels have no
+backward, so a call that training differentiates runs the PyTorch forms on CUDA too
+(`_triton`).
 """
 
 import torch
@@ -32,6 +34,12 @@ CHUNK_SIZE = 64
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(|x|^2 + eps) over the last dimension (eps inside the root, as FLA's kernels)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _triton(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton forms may run: on CUDA, where no input needs a gradient."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return ops.use_triton(tensors[0].device) and not needs_grad
 
 
 def _zero_state(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -52,7 +60,7 @@ def recurrent_gated_delta_rule(
     `every_state`, the state after each token instead, [B, H, L, Dk, Dv] (a verified
     speculation keeps the one after its last accepted token)."""
     s = _zero_state(k, v) if state is None else state.float()
-    if ops.use_triton(q.device) and not every_state:
+    if _triton(q, k, v, g, beta, s) and not every_state:
         return ops.recurrent_gated_delta_rule(q, k, v, g, beta, s)
     out = torch.empty_like(v)
     states = []
@@ -114,7 +122,7 @@ def chunked_gated_delta_rule(
     chunk_decay = gamma[..., -1].exp()
 
     terms = (reads, fresh, q_decayed, scores, k_to_end, chunk_decay)
-    if ops.use_triton(q.device):
+    if _triton(*terms, s):
         out, s = ops.delta_rule_chunk_recurrence(*terms, s)
     else:
         out, s = _chunk_recurrence(*terms, s)

@@ -87,6 +87,21 @@ class HybridCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """transformers' initialisation of this architecture: normal(0, std) matrices, the
+        zero-centred norms at 0 (a scale of 1), the DeltaNet's gated norm at 1, its decay
+        rates `exp(A_log)` uniform in (0.01, 16) and `dt_bias` at 1."""
+        for name, p in self.named_parameters():
+            if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+                p.fill_(1.0)
+            elif name.endswith("norm.weight"):
+                p.zero_()
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.01, 16).log())
+            else:
+                p.normal_(0.0, std)
+
     def empty_state(self, batch: int) -> HybridState:
         """The state of `batch` new sequences, in the model's dtype and on its device."""
         w = self.embed_tokens.weight

@@ -4,6 +4,7 @@ reference (`torch_chunk_gated_delta_rule`, `torch_recurrent_gated_delta_rule`)."
 import pytest
 import torch
 
+from kernels import ops
 from serving.model.hybrid.delta_rule import (
     chunked_gated_delta_rule,
     l2_normalize,
@@ -86,3 +87,26 @@ def test_tokens_without_decay_or_write_leave_the_state():
     assert (s_all - s_real).abs().max() <= 1e-6
     _, moved = chunked_gated_delta_rule(q, k, v, g, torch.rand_like(beta), s0)
     assert (moved - s_real).abs().max() > 1e-3  # the check above can fail
+
+
+def test_a_differentiated_call_runs_the_pytorch_forms_where_triton_would(monkeypatch):
+    """The Triton kernels have no backward: where they run (CUDA, here pretended), a call
+    training differentiates takes the PyTorch forms, and an inference call the kernels."""
+    calls = []
+
+    def kernel(*args):
+        calls.append(len(args))
+        raise RuntimeError("the Triton form ran")
+
+    monkeypatch.setattr(ops, "use_triton", lambda device: True)
+    monkeypatch.setattr(ops, "delta_rule_chunk_recurrence", kernel)
+    monkeypatch.setattr(ops, "recurrent_gated_delta_rule", kernel)
+    for rule in (chunked_gated_delta_rule, recurrent_gated_delta_rule):
+        q, k, v, g, beta, _ = _inputs(10)
+        v.requires_grad_(True)
+        out, _ = rule(q, k, v, g, beta)
+        out.sum().backward()
+        assert v.grad is not None and v.grad.abs().sum() > 0
+        with torch.no_grad(), pytest.raises(RuntimeError, match="Triton form ran"):
+            rule(q, k, v, g, beta)
+    assert len(calls) == 2
