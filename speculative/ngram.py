@@ -8,6 +8,7 @@ operands) get long drafts for free; elsewhere it proposes nothing and costs a lo
 
 import torch
 
+from serving.model.spans import long_tensor
 from speculative.proposer import DraftSequence, TargetStep
 
 
@@ -33,7 +34,7 @@ class NgramProposer:
         for seq, k in zip(seqs, ks, strict=True):
             # On the host whatever the engine's device: the ids are a host list, and the
             # lookup costs less than copying them to a GPU.
-            tokens = torch.tensor(seq.token_ids, device="cpu")
+            tokens = long_tensor(torch.device("cpu"), seq.token_ids)
             seq.draft_token_ids = ngram_lookup(tokens, k, self.min_n, self.max_n)
             seq.draft_probs = None
 

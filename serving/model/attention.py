@@ -18,6 +18,7 @@ into one tensor for SDPA.
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,9 +28,14 @@ SHORT_CHUNK = 16
 
 
 def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Block tables as one [B, longest] long tensor, padded with block 0 (masked off)."""
-    width = max(map(len, tables))
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+    """Block tables as one [B, longest] long tensor, padded with block 0 (masked off).
+
+    Built through numpy, which converts a list of ints several times faster than
+    `torch.tensor` does: a long context's table is hundreds of blocks a sequence, every step."""
+    out = np.zeros((len(tables), max(map(len, tables))), dtype=np.int64)
+    for row, table in zip(out, tables, strict=True):
+        row[: len(table)] = table
+    return torch.from_numpy(out).to(device)
 
 
 def length_mask(lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -8,6 +8,7 @@ step as rows, one a token (`graph_rows`).
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from serving.model.attention import (
@@ -80,9 +81,10 @@ def prepare_spans(
     return long_tensor(device, ids), long_tensor(device, positions), meta
 
 
-def long_tensor(device: torch.device, values: list) -> torch.Tensor:
-    """Host ints as one long tensor on the device: a step's ids, positions and tables."""
-    return torch.tensor(values, dtype=torch.long, device=device)
+def long_tensor(device: torch.device, values: list[int]) -> torch.Tensor:
+    """Host ints as one long tensor on the device: a step's ids, positions and tables.
+    Through numpy, which converts a list of ints several times faster than `torch.tensor`."""
+    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
 
 
 def graph_rows(spans: list[TokenSpan]) -> tuple[list[int], list[int], list[list[int]]]:
