@@ -1,6 +1,7 @@
 """The RL stage end to end on a toy verifiable task: the reward rises, per-domain curves are
-logged, and a run killed with SIGKILL resumes to exactly the curves of an uninterrupted one
-(same rollouts, rewards, losses and gradient norms)."""
+logged, a run killed with SIGKILL resumes to exactly the curves of an uninterrupted one
+(same rollouts, rewards, losses and gradient norms), and the MTP head the objective does not
+train leaves as it came."""
 
 import json
 import os
@@ -11,9 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from serving.model.checkpoint import load_checkpoint
 from tests import REPO
 from tests.training.toy_domain import RUN_WITH_TOY_DOMAIN as RUN
+from training.stages.init_checkpoint import DEFAULT_SHAPE, init_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -77,3 +81,21 @@ def test_resume_after_sigkill_repeats_the_losses(random_checkpoint: Path, tmp_pa
     assert not (cut / "model").exists(), "killed before the end"
     subprocess.run(rl_command(random_checkpoint, cut, 6), check=True, cwd=REPO)
     assert curves(cut) == curves(whole)  # losses, grad norms, rewards, domain weights
+
+
+def test_the_mtp_head_leaves_as_it_came(tmp_path: Path) -> None:
+    init = init_checkpoint(
+        tmp_path / "tiny-mtp", DEFAULT_SHAPE | {"tierserve_mtp": {"num_layers": 1}}
+    )
+    out = tmp_path / "rl"
+    subprocess.run(rl_command(init, out, 3), check=True, cwd=REPO)
+    start, end = load_checkpoint(init).state_dict(), load_checkpoint(out / "model").state_dict()
+
+    def exported_unchanged(key: str) -> bool:  # the export is bf16
+        return torch.equal(start[key].to(torch.bfloat16).float(), end[key])
+
+    mtp = [k for k in start if k.startswith("mtp.")]
+    assert mtp and all(exported_unchanged(k) for k in mtp), [
+        k for k in mtp if not exported_unchanged(k)
+    ]
+    assert not all(exported_unchanged(k) for k in start if k.startswith("layers."))

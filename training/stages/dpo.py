@@ -44,7 +44,7 @@ from training.objectives.preference import (
     dpo_loss,
     preference_pair,
 )
-from training.stages.policy import post_train
+from training.stages.policy import post_train, trainable_policy
 from training.stages.rollouts import Rollout, inference_copy, play
 from training.stages.trainer import EvalFn, Trainer
 
@@ -243,7 +243,7 @@ class DPOTrainer(Trainer):
         if not path.exists():
             build_pairs(config, tokenizer, path)
         self.config, self.tokenizer = config, tokenizer
-        model = load_checkpoint(config.init, keep_fp4=False)  # trained: plain weights
+        model = trainable_policy(config.init)
         super().__init__(
             model,
             config.train,

@@ -4,6 +4,8 @@ held-out tasks as it trains, and ships in bf16 like the model it came from."""
 from collections.abc import Callable
 from pathlib import Path
 
+from serving.model.causal_lm import CausalLM
+from serving.model.checkpoint import load_checkpoint
 from serving.model.tokenizer import Tokenizer
 from training.config import FromCheckpoint
 from training.stages.heldout import harness_eval
@@ -12,6 +14,16 @@ from training.stages.trainer import EvalFn, Trainer
 
 # A post-training stage's trainer class: (config, tokenizer, pad id, out dir, evaluation).
 PolicyTrainer = Callable[[FromCheckpoint, Tokenizer, int, Path, EvalFn | None], Trainer]
+
+
+def trainable_policy(init: str | Path) -> CausalLM:
+    """`init` as a post-training stage trains it: FP4 widened to plain weights, and the MTP
+    head frozen. The objectives score the next token alone, so the head gets no gradient;
+    DeepSpeed hands the optimizer zeros for a missing gradient, and AdamW's weight decay then
+    shrinks a trainable head every step, which the served tier would draft from."""
+    model = load_checkpoint(init, keep_fp4=False)
+    model.mtp.requires_grad_(False)
+    return model
 
 
 def post_train(config: FromCheckpoint, out_dir: Path, trainer: PolicyTrainer) -> Path:

@@ -36,7 +36,7 @@ from training.objectives.grpo import (
     ratio_stats,
 )
 from training.objectives.losses import LossParts, token_losses
-from training.stages.policy import post_train
+from training.stages.policy import post_train, trainable_policy
 from training.stages.rollouts import Rollout, inference_copy, play
 from training.stages.trainer import EvalFn, Trainer
 
@@ -178,7 +178,7 @@ class RLTrainer(Trainer):
             dict(config.data.mix), fixed=config.rl.domain_weighting == "fixed"
         )
         self.step_stats: dict[str, float] = {}
-        model = load_checkpoint(config.init, keep_fp4=False)  # trained: plain weights
+        model = trainable_policy(config.init)
         super().__init__(model, config.train, None, out_dir, rl_loss(config), evaluate, "rl")
 
     def state(self, step: int) -> dict[str, Any]:
