@@ -16,6 +16,7 @@ median over rounds is reported, so slow periods of a noisy machine hit all alike
 
 import argparse
 import dataclasses
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -24,7 +25,9 @@ import torch
 from tqdm import tqdm
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
+from serving.model.causal_lm import CausalLM
 from serving.model.config import ModelConfig
+from serving.model.moe import SparseMoE
 from serving.model.spans import TokenSpan
 from serving.model.tokenizer import Tokenizer
 from serving.sampling.params import SamplingParams
@@ -69,6 +72,44 @@ def _ms(fn, calls: int = 200) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(t.nbytes for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+@torch.inference_mode()
+def weights_read(model: CausalLM, prompts: list[list[int]], sizes: list[int]) -> dict[int, float]:
+    """The weight bytes a step of n consecutive tokens of one sequence must read, as a share of
+    a one-token step's: each layer's dense weights once, and each expert once if any of the n
+    tokens routes to it. A step bound by reading its weights costs at least this share, so
+    it is the floor of the timed ratios beside it. The embedding and LM head are left out, as
+    the timed steps leave them out. Routing is the model's own over `prompts`, averaged over
+    every window of n tokens."""
+    dense, per_expert = 0, []  # per_expert: one expert's bytes, per sparse layer in order
+    for layer in model.layers:
+        dense += _bytes(layer)
+        if isinstance(layer.mlp, SparseMoE):
+            experts = _bytes(layer.mlp) - _bytes(layer.mlp.gate)
+            dense -= experts
+            per_expert.append(experts / layer.mlp.gate_up.shape[0])
+    top_k = [m.mlp.top_k for m in model.layers if isinstance(m.mlp, SparseMoE)]
+    windows: dict[int, list[float]] = {n: [] for n in sizes}
+    for ids in prompts:
+        logits: list[torch.Tensor] = []
+        tokens = torch.tensor([ids])
+        model(tokens, torch.arange(len(ids))[None], padding_mask=tokens >= 0, router_logits=logits)
+        chosen = [
+            x.reshape(len(ids), -1).topk(k).indices.tolist()
+            for x, k in zip(logits, top_k, strict=True)
+        ]
+        for n in sizes:
+            for start in range(len(ids) - n + 1):
+                distinct = [len({e for row in c[start : start + n] for e in row}) for c in chosen]
+                read = sum(d * b for d, b in zip(distinct, per_expert, strict=True))
+                windows[n].append(dense + read)
+    mean = {n: statistics.mean(w) for n, w in windows.items()}
+    return {n: mean[n] / mean[1] for n in sizes}
+
+
 @torch.inference_mode()
 def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
     """`speculative.speculator.COSTS` in plain decode steps, at a context of 300 tokens:
@@ -95,6 +136,11 @@ def measure_costs(target: LLMEngine, draft: LLMEngine, k: int) -> None:
         + " ms; "
         + " / ".join(f"{t / rows[1]:.2f}x" for t in rows.values())
         + " a one-row step"
+    )
+    floor = weights_read(target.model, task_prompts(target.tokenizer, 8), list(rows))
+    print(
+        "weights such a step must read (each layer's experts its tokens route to, over 8 "
+        "task prompts): " + " / ".join(f"{r:.2f}x" for r in floor.values()) + " a one-row step's"
     )
     draft_c = _ms(lambda: draft.runner.paged.forward(span(1))) / decode
     print(f"plain decode step {decode:.2f} ms; in decode steps:")
