@@ -17,7 +17,7 @@
 // scale is exact in fp32, so the decoded weights are the dequantized weights exactly, and
 // the products differ from `kernels/reference.py`'s fp32 products of dequantized weights only
 // in the order of the sums. The decoded vector is multiplied into every activation row of a
-// tile (up to 8 rows) before the next one is decoded.
+// tile (up to 6 rows) before the next one is decoded.
 //
 // - AVX-512: 16 codes a vector, the 16-entry signed table in one zmm (`vpermps` reads 4 bits);
 // - AVX2: 8 codes a vector, the 8 magnitudes in one ymm (`vpermps` reads 3 bits) and the

@@ -31,75 +31,63 @@
 
 namespace tierserve {
 
-// Activation rows that share one load of a weight vector.
-constexpr int64_t kMaxTile = 8;
-// Weight rows a work item takes at once: what the tiles of one or two activation rows use.
+// Activation rows that share one load of a weight vector (two sums each in registers).
+constexpr int64_t kMaxTile = 6;
+// Weight rows a work item takes: enough work to be worth a thread's turn.
 constexpr int64_t kRowGroup = 4;
 
-// y[r * ldy + j] = row_scale_j * x_r . w_j for R activation rows x_r = x + r * ldx and NR
-// weight rows w_j. Each weight vector goes into every activation row, and each loaded
-// activation vector into every weight row; the R * NR sums are independent, so the fused
-// multiply-adds do not wait on one another, and a tile's setup and final lane sums are shared.
-template <int64_t R, int64_t NR, class Row>
-inline void dot_tile(const float* x, int64_t ldx, const Row* rows, int64_t K, float* y,
-                     int64_t ldy) {
-  Row w[NR];  // the tile's own copies: a reader's state (an FP4 block's table) stays in registers
-  for (int64_t j = 0; j < NR; ++j) w[j] = rows[j];
-  Vec acc[R][NR];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < NR; ++j) acc[r][j] = Vec{};
+// y[r * ldy] = row_scale * x_r . w for R activation rows x_r = x + r * ldx and one weight row.
+// The row is read front to back, as memory lies (rows read side by side, a few KB each, are
+// streams too short for the hardware to prefetch, and ran at about half the bandwidth), and
+// each weight vector goes into every activation row's sums. Each row has two sums, over the
+// even and the odd vectors, so the fused multiply-adds of even one row do not all wait on one
+// another; every row of every tile is summed in this same order, so a row's result does not
+// depend on the rows beside it (a batch gives each sequence what it gets alone).
+template <int64_t R, class Row>
+inline void dot_tile(const float* x, int64_t ldx, Row w, int64_t K, float* y, int64_t ldy) {
+  Vec even[R], odd[R];
+  for (int64_t r = 0; r < R; ++r) even[r] = odd[r] = Vec{};
   const int64_t whole = K - K % kLanes;
-  for (int64_t k = 0; k < whole; k += kLanes) {
-    Vec xv[R];
-    for (int64_t r = 0; r < R; ++r) xv[r] = loadu(x + r * ldx + k);
-    for (int64_t j = 0; j < NR; ++j) {
-      // Four tiles ahead: rows of a few KB, read four at a time, are too short for the
-      // hardware to detect and prefetch as streams.
-      w[j].prefetch(k, 4 * NR);
-      const Vec v = w[j].load(k);
-      for (int64_t r = 0; r < R; ++r) acc[r][j] = fmadd(xv[r], v, acc[r][j]);
+  int64_t k = 0;
+  for (; k + 2 * kLanes <= whole; k += 2 * kLanes) {
+    w.prefetch(k, 4);  // four rows ahead, which the next tiles read
+    w.prefetch(k + kLanes, 4);
+    const Vec v0 = w.load(k), v1 = w.load(k + kLanes);
+    for (int64_t r = 0; r < R; ++r) {
+      even[r] = fmadd(loadu(x + r * ldx + k), v0, even[r]);
+      odd[r] = fmadd(loadu(x + r * ldx + k + kLanes), v1, odd[r]);
     }
   }
+  if (k < whole) {
+    const Vec v = w.load(k);
+    for (int64_t r = 0; r < R; ++r) even[r] = fmadd(loadu(x + r * ldx + k), v, even[r]);
+  }
   // The tail of a row that is not whole vectors, lane by lane.
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < NR; ++j) {
-      float sum = lane_sum(acc[r][j]);
-      for (int64_t k = whole; k < K; ++k) sum += x[r * ldx + k] * w[j].at(k);
-      y[r * ldy + j] = sum * w[j].row_scale;
-    }
+  for (int64_t r = 0; r < R; ++r) {
+    float sum = lane_sum(even[r] + odd[r]);
+    for (int64_t i = whole; i < K; ++i) sum += x[r * ldx + i] * w.at(i);
+    y[r * ldy] = sum * w.row_scale;
+  }
 }
 
-// y[r * ldy + j] for `rows` rows of x (stride ldx) against n weight rows w_j (n <= kRowGroup):
-// one or two activation rows run against 4 or 2 weight rows at a time (their sums in
-// registers); more run in tiles of up to kMaxTile rows, one weight row at a time, so a weight
-// row is read from memory once and from L1 by the following tiles.
+// y[r * ldy + j] for `rows` rows of x (stride ldx) against n weight rows w_j, one weight row
+// at a time, in tiles of up to kMaxTile rows: a weight row is read from memory once and from
+// L1 by the following tiles.
 template <class Row>
 void dot_rows(const float* x, int64_t ldx, int64_t rows, const Row* w, int64_t n, int64_t K,
               float* y, int64_t ldy) {
-  if (rows <= 2) {
-    int64_t j = 0;
-    for (; rows == 1 && j + 4 <= n; j += 4) dot_tile<1, 4>(x, ldx, w + j, K, y + j, ldy);
-    for (; rows == 2 && j + 2 <= n; j += 2) dot_tile<2, 2>(x, ldx, w + j, K, y + j, ldy);
-    for (; j < n; ++j) {
-      if (rows == 1) dot_tile<1, 1>(x, ldx, w + j, K, y + j, ldy);
-      else dot_tile<2, 1>(x, ldx, w + j, K, y + j, ldy);
-    }
-    return;
-  }
   for (int64_t j = 0; j < n; ++j) {
     int64_t r = 0;
     for (; r + kMaxTile <= rows; r += kMaxTile)
-      dot_tile<kMaxTile, 1>(x + r * ldx, ldx, w + j, K, y + r * ldy + j, ldy);
+      dot_tile<kMaxTile>(x + r * ldx, ldx, w[j], K, y + r * ldy + j, ldy);
     const float* xr = x + r * ldx;
     float* yr = y + r * ldy + j;
     switch (rows - r) {
-      case 1: dot_tile<1, 1>(xr, ldx, w + j, K, yr, ldy); break;
-      case 2: dot_tile<2, 1>(xr, ldx, w + j, K, yr, ldy); break;
-      case 3: dot_tile<3, 1>(xr, ldx, w + j, K, yr, ldy); break;
-      case 4: dot_tile<4, 1>(xr, ldx, w + j, K, yr, ldy); break;
-      case 5: dot_tile<5, 1>(xr, ldx, w + j, K, yr, ldy); break;
-      case 6: dot_tile<6, 1>(xr, ldx, w + j, K, yr, ldy); break;
-      case 7: dot_tile<7, 1>(xr, ldx, w + j, K, yr, ldy); break;
+      case 1: dot_tile<1>(xr, ldx, w[j], K, yr, ldy); break;
+      case 2: dot_tile<2>(xr, ldx, w[j], K, yr, ldy); break;
+      case 3: dot_tile<3>(xr, ldx, w[j], K, yr, ldy); break;
+      case 4: dot_tile<4>(xr, ldx, w[j], K, yr, ldy); break;
+      case 5: dot_tile<5>(xr, ldx, w[j], K, yr, ldy); break;
       default: break;
     }
   }
