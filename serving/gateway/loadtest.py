@@ -104,8 +104,8 @@ def wait_ready(
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise LoadTestError(
-                f"tierserve serve exited with status {process.returncode} before its tiers "
-                f"were ready{see}"
+                f"the server exited with status {process.returncode} before its tiers were "
+                f"ready{see}{_log_tail(log)}"
             )
         try:
             response = httpx.get(f"{url}/health", timeout=2)
@@ -119,6 +119,15 @@ def wait_ready(
     raise LoadTestError(
         f"{url}: tiers not ready after {timeout_s:g} s (--ready-timeout); last /health: {last}{see}"
     )
+
+
+def _log_tail(log: Path | None, lines: int = 15) -> str:
+    """The end of a server's log, for an error raised where the log may not outlive it (a
+    benchmark's temporary directory)."""
+    if log is None or not log.exists():
+        return ""
+    tail = log.read_text(errors="replace").splitlines()[-lines:]
+    return "; its last lines:\n" + "\n".join(tail)
 
 
 def server_pids(url: str) -> dict[str, int]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from serving.gateway.loadtest import LoadTestError, wait_ready
 from serving.gateway.upstream import free_port
 from tests import REPO
 
@@ -83,3 +84,13 @@ def test_tiers_never_ready_fail_with_a_clear_message(tmp_path: Path):
     assert "tiers not ready after 15 s (--ready-timeout)" in result.stderr, result.stderr
     assert "full warming 0/6" in result.stderr
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_a_server_that_exits_before_ready_names_its_status_and_its_last_lines(tmp_path: Path):
+    """The log's end is in the error itself: a benchmark's log may not outlive its directory."""
+    log = tmp_path / "serve.log"
+    log.write_text("starting\ntierserve: error: --model: no config.json in /nowhere\n")
+    process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"])
+    process.wait()
+    with pytest.raises(LoadTestError, match=r"status 2 (.|\n)*no config.json in /nowhere"):
+        wait_ready(f"http://127.0.0.1:{free_port()}", 30, process, log)
