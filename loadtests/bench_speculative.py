@@ -72,7 +72,8 @@ def _ms(fn, calls: int = 200) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
-def _bytes(module: torch.nn.Module) -> int:
+def module_bytes(module: torch.nn.Module) -> int:
+    """A module's parameters and buffers (an FP4 weight's codes and scales), in bytes."""
     return sum(t.nbytes for t in itertools.chain(module.parameters(), module.buffers()))
 
 
@@ -84,14 +85,10 @@ def weights_read(model: CausalLM, prompts: list[list[int]], sizes: list[int]) ->
     it is the floor of the timed ratios beside it. The embedding and LM head are left out, as
     the timed steps leave them out. Routing is the model's own over `prompts`, averaged over
     every window of n tokens."""
-    dense, per_expert = 0, []  # per_expert: one expert's bytes, per sparse layer in order
-    for layer in model.layers:
-        dense += _bytes(layer)
-        if isinstance(layer.mlp, SparseMoE):
-            experts = _bytes(layer.mlp) - _bytes(layer.mlp.gate)
-            dense -= experts
-            per_expert.append(experts / layer.mlp.gate_up.shape[0])
-    top_k = [m.mlp.top_k for m in model.layers if isinstance(m.mlp, SparseMoE)]
+    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    experts = [module_bytes(m) - module_bytes(m.gate) for m in moes]  # each layer's, all of them
+    dense = sum(module_bytes(layer) for layer in model.layers) - sum(experts)
+    per_expert = [b / m.gate_up.shape[0] for b, m in zip(experts, moes, strict=True)]
     windows: dict[int, list[float]] = {n: [] for n in sizes}
     for ids in prompts:
         logits: list[torch.Tensor] = []
@@ -99,7 +96,7 @@ def weights_read(model: CausalLM, prompts: list[list[int]], sizes: list[int]) ->
         model(tokens, torch.arange(len(ids))[None], padding_mask=tokens >= 0, router_logits=logits)
         chosen = [
             x.reshape(len(ids), -1).topk(k).indices.tolist()
-            for x, k in zip(logits, top_k, strict=True)
+            for x, k in zip(logits, [m.top_k for m in moes], strict=True)
         ]
         for n in sizes:
             for start in range(len(ids) - n + 1):

@@ -3,7 +3,7 @@ checked on routings whose experts are known."""
 
 import torch
 
-from loadtests.bench_speculative import weights_read
+from loadtests.bench_speculative import module_bytes, weights_read
 from serving.model.families import new_model
 from tests.tiny_models import TINY_MOE
 
@@ -20,10 +20,6 @@ def _model_routing_by_token(uniform_router: bool):
             if uniform_router:
                 layer.mlp.gate.weight.zero_()  # uniform router: top-k is always the first k
     return model
-
-
-def _bytes(module: torch.nn.Module) -> int:
-    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
 
 
 def test_one_row_is_the_unit_and_one_routing_for_all_rows_reads_no_more():
@@ -51,8 +47,9 @@ def test_two_tokens_that_route_apart_read_both_tokens_experts():
         t for t in routes if all(not (x & y) for x, y in zip(routes[a], routes[t], strict=True))
     )
     experts, k = TINY_MOE["num_experts"], TINY_MOE["num_experts_per_tok"]
-    expert = [(_bytes(layer.mlp) - _bytes(layer.mlp.gate)) / experts for layer in model.layers]
-    dense = sum(_bytes(layer) for layer in model.layers) - sum(expert) * experts
+    mlps = [layer.mlp for layer in model.layers]
+    expert = [(module_bytes(m) - module_bytes(m.gate)) / experts for m in mlps]
+    dense = sum(module_bytes(layer) for layer in model.layers) - sum(expert) * experts
     ratios = weights_read(model, [[a, b] * 10], [1, 2, 5])
     expected = (dense + 2 * k * sum(expert)) / (dense + k * sum(expert))
     assert ratios[1] == 1.0
