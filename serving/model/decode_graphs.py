@@ -117,12 +117,19 @@ def inductor_config(dtype: torch.dtype) -> contextlib.AbstractContextManager:
     start traces them again, refolds and repacks the weights before the cache lookup, and
     their weights, being graph constants, keep them out of `precompiled`'s whole-graph store.
     fp32 gains nothing from freezing (`loadtests/profile_decode.py` times a step), so it keeps
-    both caches. The config is process-wide, so it is set only while this thread compiles."""
+    both caches. The config is process-wide, so it is set only while this thread compiles.
+
+    Every dtype's graphs are generated without inductor's checks of each input's and each
+    library call's sizes, strides and alignment, made on every call: a hundred a step,
+    about as long as a layer's attention. A graph runs only on the inputs it was traced for,
+    the model's own tensors and the step's fixed buffers, which its guards check."""
     from torch._inductor import config  # imported in the compile thread, as dynamo is
 
+    unchecked = {"size_asserts": False, "alignment_asserts": False}
     if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
+        return config.patch(unchecked)
+    half = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+    return config.patch(unchecked | half)
 
 
 def release_gil_in_kernels() -> None:
