@@ -101,6 +101,11 @@ class Domain(ABC):
         """Whether a reference answer in `style` opens with a reasoning block."""
         return style == "think"
 
+    def drill(self, seed: int, difficulty: int) -> str | None:
+        """A pretraining document of the domain's own, for a skill a solved task's text
+        teaches too rarely to be learned from it; None: pretraining reads solved tasks."""
+        return None
+
 
 def play(domain: Domain, task: Task, turns: list[str]) -> tuple[Episode, Verdict]:
     """Run an episode with scripted assistant turns (a reference solution, a test)."""

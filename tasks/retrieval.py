@@ -14,6 +14,7 @@ table of accuracy by length and depth.
 """
 
 import random
+from dataclasses import dataclass
 
 from tasks.answers import reasoning_block, split_reasoning
 from tasks.base import (
@@ -33,16 +34,33 @@ METHODS = ("GET", "POST", "PUT", "DELETE")
 PATHS = ("/login", "/items", "/pay", "/profile", "/upload", "/query", "/orders", "/health")
 LINES_BY_DIFFICULTY = {1: 16, 2: 48, 3: 128}
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+DRILL_LOOKUPS = 24
 QUESTION = (
     "In the log above, what status did request {request} get? Answer with the status code only."
 )
 
 
-def _line(rng: random.Random, second: int, request: str, status: int) -> str:
-    clock = f"{second // 3600 % 24:02d}:{second // 60 % 60:02d}:{second % 60:02d}"
-    service, method, path = rng.choice(SERVICES), rng.choice(METHODS), rng.choice(PATHS)
-    ms = rng.randint(1, 999)
-    return f"{clock} {service} {method} {path} request {request} status={status} {ms}ms"
+@dataclass(frozen=True)
+class LogEntry:
+    request: str  # 4 hex digits, distinct within a log
+    status: int
+    line: str
+
+
+def service_log(rng: random.Random, lines: int) -> list[LogEntry]:
+    """`lines` requests a second or so apart, each with its own id and a random status."""
+    ids = rng.sample(range(16**4), lines)  # distinct ids: one line answers a question
+    second = rng.randrange(86_400)
+    statuses = [rng.choice(STATUSES) for _ in ids]
+    log = []
+    for request_id, status in zip(ids, statuses, strict=True):
+        second += rng.randint(0, 3)
+        clock = f"{second // 3600 % 24:02d}:{second // 60 % 60:02d}:{second % 60:02d}"
+        service, method, path = rng.choice(SERVICES), rng.choice(METHODS), rng.choice(PATHS)
+        request = f"{request_id:04x}"
+        line = f"{clock} {service} {method} {path} request {request} status={status}"
+        log.append(LogEntry(request, status, f"{line} {rng.randint(1, 999)}ms"))
+    return log
 
 
 def needle_index(lines: int, depth: float) -> int:
@@ -64,20 +82,30 @@ class RetrievalDomain(Domain):
         `difficulty` is only recorded (an evaluation by length and depth has none)."""
         if lines < 1 or not 0.0 <= depth <= 1.0:
             raise ValueError(f"need at least one line and a depth in [0, 1], got {lines}, {depth}")
-        rng = random.Random(f"retrieval:{seed}:{lines}:{depth}")
-        ids = rng.sample(range(16**4), lines)  # distinct ids: one line answers the question
-        second = rng.randrange(86_400)
-        statuses = [rng.choice(STATUSES) for _ in ids]
-        log = []
-        for request_id, status in zip(ids, statuses, strict=True):
-            second += rng.randint(0, 3)
-            log.append(_line(rng, second, f"{request_id:04x}", status))
-        at = needle_index(lines, depth)
-        request = f"{ids[at]:04x}"
-        prompt = "Service log:\n" + "\n".join(log) + "\n\n" + QUESTION.format(request=request)
-        data = {"lines": lines, "depth": depth, "request": request, "answer": statuses[at]}
-        data["line"] = log[at]
+        log = service_log(random.Random(f"retrieval:{seed}:{lines}:{depth}"), lines)
+        needle = log[needle_index(lines, depth)]
+        prompt = "Service log:\n" + "\n".join(e.line for e in log) + "\n\n"
+        prompt += QUESTION.format(request=needle.request)
+        data = {"lines": lines, "depth": depth, "request": needle.request}
+        data |= {"answer": needle.status, "line": needle.line}
         return Task(self.name, seed, difficulty, prompt, data)
+
+    def drill(self, seed: int, difficulty: int) -> str:
+        """A log of the difficulty's length, then look-ups of its requests, each written as the
+        log writes it: `request ID status=CODE`. Every code after a looked-up id is found by
+        matching the id to its line, so most of a drill's predictable tokens are retrievals,
+        where a solved task's text has one among hundreds of random ones."""
+        lines = LINES_BY_DIFFICULTY[difficulty]
+        rng = random.Random(f"retrieval-drill:{seed}:{difficulty}")
+        log = service_log(rng, lines)
+        asked = rng.choices(log, k=DRILL_LOOKUPS)
+        lookups = [f"request {e.request} status={e.status}" for e in asked]
+        return (
+            "Service log:\n"
+            + "\n".join(e.line for e in log)
+            + "\n\nLookups:\n"
+            + "\n".join(lookups)
+        )
 
     def reference(self, task: Task, style: Style) -> list[str]:
         answer = str(task.data["answer"])

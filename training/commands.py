@@ -116,7 +116,9 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("out", type=Path)
     p.add_argument(
-        "--shape", type=Path, help="a config.json, or a card with the config under 'config'"
+        "--shape",
+        type=Path,
+        help="a config.json, a card with the config under 'config', or a stage .toml's [shape]",
     )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run_init_checkpoint)

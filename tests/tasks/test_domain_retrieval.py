@@ -1,5 +1,5 @@
 """The retrieval domain: a needle line at the asked depth of a log, one line per request id,
-an exact verifier; registered but outside the default domains."""
+an exact verifier, look-up drills for pretraining; registered but outside the default domains."""
 
 import re
 
@@ -9,12 +9,14 @@ from tasks import DEFAULT_DOMAINS, DOMAINS, get_domain, opening_requests
 from tasks.base import play
 from tasks.retrieval import (
     DEPTHS,
+    DRILL_LOOKUPS,
     LINES_BY_DIFFICULTY,
     STATUSES,
     RetrievalDomain,
     needle_index,
 )
 from training.config import DataConfig, EvalSpec
+from training.data.datasets import pretrain_text
 
 DOMAIN = RetrievalDomain()
 LINE = re.compile(r"^\d\d:\d\d:\d\d \w+ [A-Z]+ /\w+ request ([0-9a-f]{4}) status=(\d{3}) \d+ms$")
@@ -103,3 +105,26 @@ def test_registered_but_not_a_default() -> None:
     assert DataConfig(mix={"retrieval": 1.0}).mix == {"retrieval": 1.0}  # named, it is accepted
     kinds = {request["kind"].rsplit("-", 1)[0] for request in opening_requests(per_kind=1)}
     assert kinds == set(DEFAULT_DOMAINS)
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_a_drill_looks_up_its_own_log(difficulty: int) -> None:
+    """Every look-up names a request of the drill's log and gives that request's status, as the
+    log writes it; the drill is seeded, and pretraining on the domain reads drills."""
+    drill = DOMAIN.drill(5, difficulty)
+    assert drill == DOMAIN.drill(5, difficulty) != DOMAIN.drill(6, difficulty)
+    log_text, lookups_text = drill.split("\n\nLookups:\n")
+    log = [LINE.match(line).groups() for line in _log(log_text)]
+    assert len(log) == LINES_BY_DIFFICULTY[difficulty]
+    status_of = dict(log)
+    lookups = lookups_text.splitlines()
+    assert len(lookups) == DRILL_LOOKUPS
+    for lookup in lookups:
+        request, status = re.fullmatch(r"request ([0-9a-f]{4}) status=(\d{3})", lookup).groups()
+        assert status_of[request] == status
+    data = DataConfig(examples=6, mix={"retrieval": 1.0}, difficulties=[difficulty], seed=5)
+    assert all("\n\nLookups:\n" in doc for doc in pretrain_text(data))
+
+
+def test_other_domains_pretrain_on_solved_tasks() -> None:
+    assert all(get_domain(name).drill(0, 1) is None for name in DEFAULT_DOMAINS)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from training.config import ConfigError, load_recipe_config, read_stage_file
+from training.config import ConfigError, load_config, load_recipe_config, read_stage_file
 from training.recipes.run import STAGE_FILES, plan, recipe_dir
 
 TOKENIZER = "[tokenizer]\nvocab_size = 600\nexamples = 60\n"
@@ -143,6 +143,24 @@ def test_a_file_extends_another_table_by_table(tmp_path: Path) -> None:
 
 
 def test_an_unknown_recipe_names_the_recipes() -> None:
-    """Only directories with a recipe.toml are recipes (hybrid-retrieval is one stage's)."""
+    """Only directories with a recipe.toml are recipes (hybrid-retrieval is stage files)."""
     with pytest.raises(ValueError, match=r"choose from demo, smoke$"):
         recipe_dir("hybrid-retrieval")
+
+
+def test_the_hybrid_retrieval_stage_files_load() -> None:
+    """Its pretraining holds the hybrid shape, which `init-checkpoint --shape` reads too (for
+    the tokenizer the chain trains with); its SFT fine-tunes on the retrieval domain alone."""
+    from training.stages.init_checkpoint import read_shape
+    from training.stages.pretrain import PretrainStage
+    from training.stages.sft import SFTStage
+
+    src = Path(__file__).parents[2] / "training" / "recipes" / "hybrid-retrieval"
+    pretrain = load_config(
+        src / "pretrain.toml", [], PretrainStage.model_validate, tokenizer="unused"
+    )
+    assert pretrain.shape == read_shape(src / "pretrain.toml")
+    assert pretrain.shape["architectures"] == ["Qwen3NextForCausalLM"]
+    assert pretrain.data.mix == {"retrieval": 1.0} and pretrain.train.mtp_weight == 0
+    sft = load_config(src / "sft.toml", [], SFTStage.model_validate, init="unused")
+    assert sft.data.mix == {"retrieval": 1.0} and sft.style == "think"

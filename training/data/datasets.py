@@ -215,13 +215,17 @@ def build_sft(
 
 def pretrain_text(data: DataConfig) -> Iterator[str]:
     """Documents without chat markup, half of them in each style; a share `data.copy_docs`
-    are copy exercises instead (`training.data.copy_text`)."""
+    are copy exercises instead (`training.data.copy_text`), and a domain with drills of its
+    own (`Domain.drill`) gives those in place of its solved tasks."""
     domains = {name: get_domain(name) for name in data.mix}
 
     def document(drawn: tuple[int, tuple[str, int, int]]) -> str:
         i, (name, seed, difficulty) = drawn
         if random.Random(f"copydoc:{data.seed}:{i}").random() < data.copy_docs:
             return copy_document(seed)
+        drill = domains[name].drill(seed, difficulty)
+        if drill is not None:
+            return drill
         style = "think" if random.Random(f"style:{data.seed}:{i}").random() < 0.5 else "short"
         return next(pretrain_documents(domains[name], [seed], [difficulty], style))
 

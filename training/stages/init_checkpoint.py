@@ -7,6 +7,7 @@ own standard-library sources, which every machine has, so nothing is downloaded.
 
 import json
 import sysconfig
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,8 +49,13 @@ def stdlib_corpus(limit_bytes: int = 4 << 20) -> Iterator[str]:
 
 
 def read_shape(path: str | Path) -> dict:
-    """A shape file: a config.json, or a benchmark card holding one under "config"."""
-    raw = json.loads(Path(path).read_text())
+    """A shape file: a config.json, a benchmark card holding one under "config", or a stage
+    file (`.toml`) whose `[shape]` a pretraining builds its model from."""
+    path = Path(path)
+    if path.suffix == ".toml":
+        raw = tomllib.loads(path.read_text())["shape"]
+    else:
+        raw = json.loads(path.read_text())
     shape = raw.get("config", raw)
     shape.setdefault("architectures", raw.get("architectures", ["Qwen3MoeForCausalLM"]))
     return shape
