@@ -34,7 +34,7 @@ METHODS = ("GET", "POST", "PUT", "DELETE")
 PATHS = ("/login", "/items", "/pay", "/profile", "/upload", "/query", "/orders", "/health")
 LINES_BY_DIFFICULTY = {1: 16, 2: 48, 3: 128}
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-DRILL_LOOKUPS = 24
+DRILL_LOOKUPS = 32
 QUESTION = (
     "In the log above, what status did request {request} get? Answer with the status code only."
 )
@@ -91,13 +91,14 @@ class RetrievalDomain(Domain):
         return Task(self.name, seed, difficulty, prompt, data)
 
     def drill(self, seed: int, difficulty: int) -> str:
-        """A log of the difficulty's length, then look-ups of its requests, each written as the
-        log writes it: `request ID status=CODE`. Every code after a looked-up id is found by
-        matching the id to its line, so most of a drill's predictable tokens are retrievals,
-        where a solved task's text has one among hundreds of random ones."""
-        lines = LINES_BY_DIFFICULTY[difficulty]
+        """A log of up to the difficulty's length, then look-ups of its requests, each written
+        as the log writes it: `request ID status=CODE`. Every code after a looked-up id is found
+        by matching the id to its line (or to an earlier look-up of it), so most of a drill's
+        predictable tokens are retrievals, where a solved task's text has one among hundreds of
+        random ones. Short logs and many look-ups make them dense: a model pretrained on
+        drills of full-length logs and fewer look-ups learned the log's form and no look-up."""
         rng = random.Random(f"retrieval-drill:{seed}:{difficulty}")
-        log = service_log(rng, lines)
+        log = service_log(rng, rng.randint(2, LINES_BY_DIFFICULTY[difficulty]))
         asked = rng.choices(log, k=DRILL_LOOKUPS)
         lookups = [f"request {e.request} status={e.status}" for e in asked]
         return (

@@ -115,7 +115,7 @@ def test_a_drill_looks_up_its_own_log(difficulty: int) -> None:
     assert drill == DOMAIN.drill(5, difficulty) != DOMAIN.drill(6, difficulty)
     log_text, lookups_text = drill.split("\n\nLookups:\n")
     log = [LINE.match(line).groups() for line in _log(log_text)]
-    assert len(log) == LINES_BY_DIFFICULTY[difficulty]
+    assert 2 <= len(log) <= LINES_BY_DIFFICULTY[difficulty]
     status_of = dict(log)
     lookups = lookups_text.splitlines()
     assert len(lookups) == DRILL_LOOKUPS
