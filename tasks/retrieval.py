@@ -63,6 +63,10 @@ def service_log(rng: random.Random, lines: int) -> list[LogEntry]:
     return log
 
 
+def log_text(log: list[LogEntry]) -> str:
+    return "Service log:\n" + "\n".join(e.line for e in log)
+
+
 def needle_index(lines: int, depth: float) -> int:
     """The needle's line at `depth` of a log of `lines` lines."""
     return round(depth * (lines - 1))
@@ -84,8 +88,7 @@ class RetrievalDomain(Domain):
             raise ValueError(f"need at least one line and a depth in [0, 1], got {lines}, {depth}")
         log = service_log(random.Random(f"retrieval:{seed}:{lines}:{depth}"), lines)
         needle = log[needle_index(lines, depth)]
-        prompt = "Service log:\n" + "\n".join(e.line for e in log) + "\n\n"
-        prompt += QUESTION.format(request=needle.request)
+        prompt = log_text(log) + "\n\n" + QUESTION.format(request=needle.request)
         data = {"lines": lines, "depth": depth, "request": needle.request}
         data |= {"answer": needle.status, "line": needle.line}
         return Task(self.name, seed, difficulty, prompt, data)
@@ -95,18 +98,12 @@ class RetrievalDomain(Domain):
         as the log writes it: `request ID status=CODE`. Every code after a looked-up id is found
         by matching the id to its line (or to an earlier look-up of it), so most of a drill's
         predictable tokens are retrievals, where a solved task's text has one among hundreds of
-        random ones. Short logs and many look-ups make them dense: a model pretrained on
-        drills of full-length logs and fewer look-ups learned the log's form and no look-up."""
+        random ones; short logs and many look-ups make them denser still."""
         rng = random.Random(f"retrieval-drill:{seed}:{difficulty}")
         log = service_log(rng, rng.randint(2, LINES_BY_DIFFICULTY[difficulty]))
         asked = rng.choices(log, k=DRILL_LOOKUPS)
         lookups = [f"request {e.request} status={e.status}" for e in asked]
-        return (
-            "Service log:\n"
-            + "\n".join(e.line for e in log)
-            + "\n\nLookups:\n"
-            + "\n".join(lookups)
-        )
+        return log_text(log) + "\n\nLookups:\n" + "\n".join(lookups)
 
     def reference(self, task: Task, style: Style) -> list[str]:
         answer = str(task.data["answer"])
