@@ -120,9 +120,9 @@ def inductor_config(dtype: torch.dtype) -> contextlib.AbstractContextManager:
     both caches. The config is process-wide, so it is set only while this thread compiles.
 
     Every dtype's graphs are generated without inductor's checks of each input's and each
-    library call's sizes, strides and alignment, made on every call: a hundred a step,
-    about as long as a layer's attention. A graph runs only on the inputs it was traced for,
-    the model's own tensors and the step's fixed buffers, which its guards check."""
+    library call's sizes, strides and alignment, which it makes on every call of every step.
+    A graph runs only on the inputs it was traced for, the model's own tensors and the step's
+    fixed buffers, which its guards check."""
     from torch._inductor import config  # imported in the compile thread, as dynamo is
 
     unchecked = {"size_asserts": False, "alignment_asserts": False}
