@@ -109,6 +109,7 @@ class AsyncEngine:
                 except Exception as e:  # validated before, so only races like a duplicate id
                     self._deliver(request_id, e)
             if not engine.has_unfinished():
+                engine.idle()
                 self._wake.wait()
                 self._wake.clear()
                 continue

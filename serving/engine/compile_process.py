@@ -9,17 +9,26 @@ config, so its graphs have the keys the server looks up (`serving/model/precompi
 compiles them into the whole-graph store and exits; the server then loads them, each in a
 fraction of a second. It takes only the CPU the server leaves, and dies with the server.
 
+Idle priority is not enough while the server serves one stream: that stream already runs at
+full speed on the one-row graph, yet a compile busy on the other core slowed it (on the
+virtual machines measured, any work there did; `loadtests/bench_startup.py`). So the server
+stops the process (`CompileApart.hold`) while it serves a lone stream, and lets it go on while
+it serves several, which the larger graphs are for, or none.
+
     python -m serving.engine.compile_process   # spec on stdin: written by `spawn`
 """
 
+import contextlib
 import dataclasses
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from serving.engine.engine_config import EngineConfig
@@ -36,10 +45,12 @@ def spawn(checkpoint: Path, config: EngineConfig) -> subprocess.Popen:
     spec = (str(checkpoint), dataclasses.replace(config, compile_graphs_apart=False), os.getpid())
     # This process's import path, and not the working directory's (-P): the same code.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    # A process group of its own, with the compilers it starts, for `CompileApart.hold`.
     process = subprocess.Popen(
         [sys.executable, "-P", "-m", "serving.engine.compile_process"],
         stdin=subprocess.PIPE,
         env=env,
+        process_group=0,
     )
     # Idle priority, which its compiler processes inherit: it runs on what the server leaves.
     make_idle(process.pid)
@@ -47,6 +58,41 @@ def spawn(checkpoint: Path, config: EngineConfig) -> subprocess.Popen:
     process.stdin.write(pickle.dumps(spec))
     process.stdin.close()
     return process
+
+
+class CompileApart:
+    """A server engine's compile process: `start` starts it when the decode graphs ask
+    (`serving/model/decode_graphs.py`), and the engine holds it still while it serves a
+    lone stream (`hold`)."""
+
+    def __init__(self, start: Callable[[], subprocess.Popen]) -> None:
+        self._start = start
+        self.process: subprocess.Popen | None = None
+        self.held = False
+        self._lock = threading.Lock()  # the graphs' thread starts it, the engine's holds it
+
+    def __call__(self) -> subprocess.Popen:
+        with self._lock:
+            self.process = self._start()
+            if self.held:
+                self._signal(signal.SIGSTOP)
+            return self.process
+
+    def hold(self, held: bool) -> None:
+        """Stop the process and its compilers (SIGSTOP to its process group) while `held`,
+        and continue them after. Should the server die meanwhile, the group is orphaned
+        with stopped members, and the kernel sends it SIGHUP and SIGCONT, which end it."""
+        if held == self.held:
+            return
+        with self._lock:
+            self.held = held
+            self._signal(signal.SIGSTOP if held else signal.SIGCONT)
+
+    def _signal(self, sig: int) -> None:
+        process = self.process
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it ended since the poll
+                os.killpg(process.pid, sig)
 
 
 def _exit_with(parent: int) -> None:

@@ -1,9 +1,7 @@
 """The engine: requests in, token and text deltas out, one scheduled step at a time."""
 
 import functools
-import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,10 +74,11 @@ class LLMEngine:
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
         eos_token_ids: list[int] | None = None,
-        compile_apart: Callable[[], subprocess.Popen] | None = None,
+        compile_apart: compile_process.CompileApart | None = None,
     ) -> None:
         """`compile_apart`: see `EngineConfig.compile_graphs_apart`."""
         self.config = config = config or EngineConfig()
+        self.compile_apart = compile_apart
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = set(
@@ -173,7 +172,9 @@ class LLMEngine:
         model = load_model(path, config.dtype, device)
         compile_apart = None
         if config.compile_graphs_apart:
-            compile_apart = functools.partial(compile_process.spawn, Path(path), config)
+            compile_apart = compile_process.CompileApart(
+                functools.partial(compile_process.spawn, Path(path), config)
+            )
         return cls(model, config, Tokenizer.from_dir(path), compile_apart=compile_apart)
 
     def warmup(self) -> Progress:
@@ -288,6 +289,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def idle(self) -> None:
+        """Called when there is nothing to run: a held compile process goes on meanwhile."""
+        if self.compile_apart is not None:
+            self.compile_apart.hold(False)
+
     # -- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -295,6 +301,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
+        if self.compile_apart is not None:  # a lone stream has its full speed already
+            self.compile_apart.hold(len(plan.scheduled) == 1)
         start = time.monotonic()
         for seq, _ in plan.scheduled:
             seq.scheduled_time = seq.scheduled_time or start  # queue time ends here
@@ -414,4 +422,5 @@ class LLMEngine:
             for out in self.step():
                 for delta in out.outputs:
                     results[out.request_id][delta.index].extend(delta)
+        self.idle()
         return [results[rid] for rid in ids]

@@ -6,7 +6,9 @@ Both are seconds of CPU on the cores a serving tier uses: a standby started besi
 had just replaced a killed one slowed that tier's first requests (`loadtests/bench_startup.py
 --kill`). At `SCHED_IDLE` a process runs only on CPU time nothing else wants. The parent sets
 it, as soon as the process exists, so its start runs at that priority too, and threads the
-process creates inherit it.
+process creates inherit it. Even so, on the virtual machines measured, a process busy on the
+core a tier left idle slowed the tier's requests; so each is also held stopped while the
+work it would slow runs (`CompileApart.hold`, the supervisor's standbys).
 
 A standby that takes over a tier must serve at normal priority again, and leaving
 `SCHED_IDLE` is allowed only to root, to a process with CAP_SYS_NICE, or where `RLIMIT_NICE`

@@ -56,7 +56,7 @@ class Attempt:
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.upstream.in_flight -= 1
+            self.upstream.add_in_flight(-1)
             await self.response.aclose()
 
 
@@ -68,13 +68,13 @@ async def post(
     object, a stream that does not begin with an SSE field). A whole (non-stream) response
     is read and parsed completely. The request goes straight to the connection pool: a
     proxy needs none of the client's redirects, auth flows or cookies."""
-    upstream.in_flight += 1
+    upstream.add_in_flight(1)
     try:
         url = upstream.url(address)
         request = upstream.client.build_request("POST", url, content=payload, headers=headers)
         response = await upstream.transport.handle_async_request(request)
     except BaseException as e:
-        upstream.in_flight -= 1
+        upstream.add_in_flight(-1)
         if isinstance(e, httpx.TimeoutException):
             raise UpstreamFailure("timeout", f"{upstream.tier} tier timed out: {e!r}") from e
         if isinstance(e, httpx.HTTPError):

@@ -12,9 +12,14 @@ pool keeps workers forked ahead, the supervisor keeps one standby per embedded t
 tier is ready: `tierserve engine --standby` past its imports, waiting for a line on its stdin
 before it loads the checkpoint and binds the tier's port. A tier that dies is replaced by its
 standby, and a new standby is started once the replacement is ready, at idle priority until
-it takes over (`serving/engine/process_priority.py`), so its imports do not slow the tier that
-replaced the last one. A standby holds no weights (the imports' memory only) and exits when
-its stdin closes.
+it takes over (`serving/engine/process_priority.py`). Idle priority did not keep its imports
+from slowing the tiers: on the virtual machines measured, any work on a core a tier left
+idle slowed that tier's requests (`loadtests/bench_startup.py --kill`). So a standby is held
+stopped (SIGSTOP) while the gateway has a request in flight, and goes on (SIGCONT) when it has
+none: its imports take only the time between requests. Under unbroken traffic a new standby
+does not finish, and a tier that dies then starts anew. A standby holds no weights (the
+imports' memory only) and exits when its stdin closes; one stopped when the gateway dies is
+killed outright (a stopped process would never act on SIGTERM).
 
 Children run in their own process group (a Ctrl-C at the terminal reaches only the gateway,
 which drains before it stops them) and, on Linux, get SIGTERM from the kernel if the
@@ -26,6 +31,7 @@ in a process of its own, which would otherwise outlive a killed server and keep 
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -48,10 +54,10 @@ _STABLE_S = 60.0
 _STARTING_PROBE_S = 0.1
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: ask the kernel for SIGTERM when the gateway dies."""
+def _die_with_parent(sig: int) -> None:
+    """Runs in the child before exec: ask the kernel for `sig` when the gateway dies."""
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    libc.prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def engine_command(config: EmbeddedTier, port: int) -> list[str]:
@@ -86,8 +92,12 @@ def child_process(config: SupervisedTier, port: int) -> tuple[list[str], dict[st
 
 def _kill_group(pid: int) -> None:
     """SIGKILL whatever is left of an exited child's process group (its own children)."""
+    _signal_group(pid, signal.SIGKILL)
+
+
+def _signal_group(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(pid, sig)
 
 
 async def _release(standby: asyncio.subprocess.Process) -> bool:
@@ -96,6 +106,7 @@ async def _release(standby: asyncio.subprocess.Process) -> bool:
     if standby.returncode is not None:
         return False
     try:
+        _signal_group(standby.pid, signal.SIGCONT)
         if can_leave_idle():
             make_normal(standby.pid)
         standby.stdin.write(b"start\n")
@@ -115,6 +126,18 @@ class Supervisor:
         self._began = time.monotonic()
         self._warned_priority = False
         self._announced = False  # the all-ready line has been logged
+        self._busy = False  # a request is in flight: standbys are held stopped
+        for upstream in upstreams.values():
+            upstream.on_in_flight = self._traffic_changed
+
+    def _traffic_changed(self) -> None:
+        """Hold the standbys stopped while any request is in flight, and let them go on
+        when none is."""
+        busy = any(u.in_flight for u in self.upstreams.values())
+        if busy != self._busy:
+            self._busy = busy
+            for standby in self._standbys.values():
+                _signal_group(standby.pid, signal.SIGSTOP if busy else signal.SIGCONT)
 
     async def start(self) -> None:
         """Start every supervised tier's process (raising if one cannot be spawned) and watch
@@ -173,6 +196,7 @@ class Supervisor:
     async def _terminate(self, process: asyncio.subprocess.Process) -> None:
         if process.returncode is None:
             process.terminate()
+            _signal_group(process.pid, signal.SIGCONT)  # a held standby, to act on it
             try:
                 await asyncio.wait_for(process.wait(), self.config.stop_timeout_s)
             except TimeoutError:
@@ -213,7 +237,11 @@ class Supervisor:
             stdin=asyncio.subprocess.PIPE if standby else None,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=(
+                functools.partial(_die_with_parent, signal.SIGKILL if standby else signal.SIGTERM)
+                if sys.platform == "linux"
+                else None
+            ),
         )
 
     async def _keep_standby(self, upstream: Upstream) -> None:
@@ -223,6 +251,8 @@ class Supervisor:
         standby = self._standbys.get(upstream.tier)
         if standby is None or standby.returncode is not None:
             standby = await self._start_process(upstream, standby=True)
+            if self._busy:
+                _signal_group(standby.pid, signal.SIGSTOP)
             # Its imports at idle priority: they would slow the tier it stands by for.
             if can_leave_idle():
                 make_idle(standby.pid)

@@ -8,7 +8,7 @@ to."""
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -101,7 +101,15 @@ class Upstream:
     warmup: dict[str, Any] | None = None  # the tier's last warm-up progress, while warming
     started_at: float | None = None  # when its process was (re)started, monotonic
     ready_s: float | None = None  # from that start to its first 200 from /health
+    # Told whenever `in_flight` changes (the supervisor's standbys wait out the traffic).
+    on_in_flight: Callable[[], None] | None = None
     _urls: dict[str, httpx.URL] = field(default_factory=dict)
+
+    def add_in_flight(self, n: int) -> None:
+        """A request sent to the tier (1) or done with (-1)."""
+        self.in_flight += n
+        if self.on_in_flight is not None:
+            self.on_in_flight()
 
     def url(self, address: str) -> httpx.URL:
         """The parsed URL of an address on this tier (parsing one costs more than sending)."""

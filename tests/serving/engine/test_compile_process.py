@@ -4,6 +4,8 @@ whole-graph store, and the engine loads them without tracing them itself; a proc
 stores nothing leaves those steps in chunks of the one-row graph, with the same tokens."""
 
 import logging
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,9 +14,11 @@ from pathlib import Path
 import pytest
 from torch._dynamo.utils import counters
 
+from serving.engine.compile_process import CompileApart
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
 from serving.sampling.params import SamplingParams
+from tests.serving.gateway.processes import alive, settles, state
 from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
 
 # max_num_seqs 2: graphs of 1 and 2 rows (`graph_sizes`).
@@ -69,7 +73,9 @@ def test_a_compile_process_that_stores_nothing_leaves_steps_in_chunks(
         load_checkpoint(ckpt),
         EngineConfig(**CONFIG, enforce_eager=False),
         eos_token_ids=[],
-        compile_apart=lambda: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]),
+        compile_apart=CompileApart(
+            lambda: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        ),
     )
     graphs = engine.runner.paged.graphs
     with caplog.at_level(logging.WARNING, logger="serving.model.decode_graphs"):
@@ -82,3 +88,71 @@ def test_a_compile_process_that_stores_nothing_leaves_steps_in_chunks(
     ps = prompts(2, TINY_MOE["vocab_size"], seed=7)
     assert [o[0].token_ids for o in engine.generate(ps, PARAMS)] == eager_tokens(ckpt, ps)
     assert set(rows) == {1}
+
+
+def test_hold_stops_the_compile_process_and_its_compilers_and_continues_them(tmp_path: Path):
+    # A stand-in for the compile process: in a group of its own, with a compiler of its own.
+    child = tmp_path / "child"
+    script = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen(['sleep', '60'])\n"
+        f"open({str(child)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(60)\n"
+    )
+    apart = CompileApart(lambda: subprocess.Popen([sys.executable, "-c", script], process_group=0))
+    process = apart()
+    try:
+        assert settles(lambda: child.exists() and child.read_text())
+        pids = [process.pid, int(child.read_text())]
+        apart.hold(True)
+        assert settles(lambda: all(state(pid) == "T" for pid in pids))
+        apart.hold(False)
+        assert settles(lambda: all(state(pid) != "T" for pid in pids))
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def test_a_held_compile_process_ends_when_its_server_is_killed(tmp_path: Path):
+    """The stopped group is orphaned when its server dies, and the kernel's SIGHUP ends it:
+    no stopped process is left behind."""
+    held = tmp_path / "held"
+    server = (
+        "import subprocess, time\n"
+        "from serving.engine.compile_process import CompileApart\n"
+        "apart = CompileApart(lambda: subprocess.Popen(['sleep', '600'], process_group=0))\n"
+        "apart.hold(True)\n"
+        "process = apart()\n"
+        f"open({str(held)!r}, 'w').write(str(process.pid))\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", server], start_new_session=True)
+    try:
+        assert settles(lambda: held.exists() and held.read_text(), 60)
+        pid = int(held.read_text())
+        assert settles(lambda: state(pid) == "T")
+    finally:
+        parent.kill()
+        parent.wait()
+    assert settles(lambda: not alive(pid))
+
+
+class RecordedCompileApart(CompileApart):
+    def __init__(self) -> None:
+        super().__init__(lambda: subprocess.Popen(["true"]))
+        self.signals: list[int] = []
+
+    def _signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+
+def test_the_engine_holds_its_compile_process_while_it_serves_a_lone_stream(tmp_path: Path):
+    ckpt = save_tiny_moe(tmp_path / "tiny-moe")
+    apart = RecordedCompileApart()
+    engine = LLMEngine(load_checkpoint(ckpt), EngineConfig(**CONFIG), eos_token_ids=[],
+                       compile_apart=apart)  # fmt: skip
+    ps = prompts(2, TINY_MOE["vocab_size"], seed=7)
+    engine.generate(ps[:1], PARAMS)  # one stream, then nothing to run
+    assert apart.signals == [signal.SIGSTOP, signal.SIGCONT]
+    engine.generate(ps, PARAMS)  # two streams: the larger graphs are for them
+    assert apart.signals == [signal.SIGSTOP, signal.SIGCONT]

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -16,14 +17,27 @@ from serving.gateway.upstream import free_port
 NAMES = {"full": "tiny-full", "highspeed": "tiny-fast"}
 
 
+def state(pid: int) -> str:
+    """A process's state letter in /proc: R, S, D, T (stopped), Z (exited, not reaped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
+
+
+def settles(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Whether `condition` holds within `timeout_s` (a signal, a process's exit take a
+    moment)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     # A zombie (exited, not yet reaped by its parent) is gone for our purposes.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[1][0] != "Z"
+    return state(pid) != "Z"
 
 
 def process_group(pgid: int) -> list[int]:

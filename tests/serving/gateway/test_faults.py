@@ -19,7 +19,15 @@ from serving.gateway.app import build_gateway_app
 from serving.gateway.config import FallbackConfig, GatewayConfig, RemoteTier
 from serving.gateway.proxy import UpstreamFailure, post
 from serving.gateway.upstream import TierState, free_port, make_upstream
-from tests.serving.gateway.processes import NAMES, alive, child_pids, start_gateway, stop
+from tests.serving.gateway.processes import (
+    NAMES,
+    alive,
+    child_pids,
+    settles,
+    start_gateway,
+    state,
+    stop,
+)
 
 USER = [{"role": "user", "content": "Write a haiku about the sea."}]
 # A hang guard, not the target: how fast a killed tier is back at full speed is measured by
@@ -84,6 +92,8 @@ def test_sigkill_of_a_tier_under_load(random_checkpoint: Path, tmp_path: Path):
         for thread in [*streams, load]:
             thread.start()
         assert all(s.started.wait(60) for s in streams)
+        # Held stopped while requests are in flight: its imports take no CPU from them.
+        assert settles(lambda: state(standby_pid) == "T")
         killed = time.monotonic()
         os.kill(full_pid, signal.SIGKILL)
         during = chat(gw.url, "full")
@@ -109,7 +119,9 @@ def test_sigkill_of_a_tier_under_load(random_checkpoint: Path, tmp_path: Path):
         assert health["status"] == "ok" and health["tiers"]["full"]["restarts"] == 1
         assert health["tiers"]["full"]["pid"] == standby_pid
         assert policies(standby_pid) == {os.SCHED_OTHER}  # serving at normal priority
-        assert health["tiers"]["full"]["standby_pid"] not in (None, standby_pid)
+        new_standby = health["tiers"]["full"]["standby_pid"]
+        assert new_standby not in (None, standby_pid)
+        assert settles(lambda: state(new_standby) != "T")  # nothing in flight: it goes on
     finally:
         stop(gw, child_pids(gw))
 

@@ -38,13 +38,18 @@ def streams(draw: st.DrawFn) -> tuple[list[bytes], list[bytes]]:
     return events, reads
 
 
+class FakeUpstream(SimpleNamespace):
+    def add_in_flight(self, n: int) -> None:
+        self.in_flight += n
+
+
 async def relayed(reads: list[bytes], strip_usage: bool) -> tuple[bytes, RequestRecord]:
     async def chunks():
         for read in reads[1:]:
             yield read
 
     # A vllm tier: its `reasoning` key would be renamed, but never a delta's text.
-    upstream = SimpleNamespace(in_flight=1, tier="full", config=SimpleNamespace(engine="vllm"))
+    upstream = FakeUpstream(in_flight=1, tier="full", config=SimpleNamespace(engine="vllm"))
     result = Attempt(upstream, httpx.Response(200), chunks(), first_chunk=reads[0])  # type: ignore[arg-type]
     decision = Decision("full", None, "model", "override")
     record = RequestRecord("r", "/chat/completions", decision, GatewayMetrics({}))
