@@ -1,9 +1,9 @@
 """How long a tier takes to serve at full speed: `tierserve engine` from spawn to its first
 /health 200 (ready: its one-row decode step compiled, `serving/model/decode_graphs.py`), with
 an empty compile cache (cold) and then the one that start left (warm); and whether ready
-means full speed: one stream's tokens/s on the first three requests after ready (their median:
+means full speed: one stream's tokens/s on the first five requests after ready (their median:
 one request is at the mercy of this noisy machine), while the larger graphs still compile in a
-process of their own, against the median of three five minutes after the start, every size
+process of their own, against the median of five five minutes after the start, every size
 loaded by then (full speed: within 10%), and the time to every size. Each request has a prompt
 of its own, so none is served from the prefix cache. `--kill`
 then starts `tierserve serve` over two tiers of the checkpoint (warm cache), puts it under load,
@@ -38,6 +38,7 @@ from serving.gateway.upstream import free_port
 PROMPT = " ".join(["tokens"] * 127)
 NEW_TOKENS = 128
 FULL_SPEED = 0.9  # the first requests' tokens/s at least this share of the later ones'
+SPEED_REQUESTS = 5  # one speed: their median
 _prompts = count()
 
 
@@ -66,8 +67,8 @@ def tokens_per_s(root: str, model: str) -> float:
 
 
 def median_speed(root: str, model: str) -> float:
-    """The median tokens/s of three requests one after another."""
-    return statistics.median(tokens_per_s(root, model) for _ in range(3))
+    """The median tokens/s of SPEED_REQUESTS requests one after another."""
+    return statistics.median(tokens_per_s(root, model) for _ in range(SPEED_REQUESTS))
 
 
 def start_tier(
@@ -195,8 +196,9 @@ def main() -> None:
     print(f"\n`tierserve engine --model {checkpoint.name} --dtype {args.dtype}`, "
           f"{args.threads} threads; "
           f"one stream: {NEW_TOKENS} new tokens, greedy")  # fmt: skip
-    print("| cache | spawn to ready (/health 200) s | first 3 requests tok/s (median) | "
-          f"tok/s {args.later_s:.0f} s after spawn (median of 3) | first / later | "
+    print(f"| cache | spawn to ready (/health 200) s | first {SPEED_REQUESTS} requests tok/s "
+          f"(median) | tok/s {args.later_s:.0f} s after spawn (median of {SPEED_REQUESTS}) | "
+          "first / later | "
           "spawn to every graph size in s |\n"
           "|---|---|---|---|---|---|")  # fmt: skip
     for name, row in rows:
