@@ -13,19 +13,14 @@ tier is ready: `tierserve engine --standby` past its imports, waiting for a line
 before it loads the checkpoint and binds the tier's port. A tier that dies is replaced by its
 standby, and a new standby is started once the replacement is ready, at idle priority until
 it takes over (`serving/engine/process_priority.py`). Idle priority did not keep its imports
-from slowing the tiers: on the virtual machines measured, any work on a core a tier left
-idle slowed that tier's requests (`loadtests/bench_startup.py --kill`). So a standby is held
-stopped (SIGSTOP) while the gateway has a request in flight, and goes on (SIGCONT) when it has
-none: its imports take only the time between requests. Under unbroken traffic a new standby
-does not finish, and a tier that dies then starts anew. A standby holds no weights (the
-imports' memory only) and exits when its stdin closes; one stopped when the gateway dies is
-killed outright (a stopped process would never act on SIGTERM).
-
-Children run in their own process group (a Ctrl-C at the terminal reaches only the gateway,
-which drains before it stops them) and, on Linux, get SIGTERM from the kernel if the
-gateway dies without cleaning up, so no tier outlives its gateway. A child that has exited
-(or been stopped) has what is left of its process group killed: vLLM's server runs its engine
-in a process of its own, which would otherwise outlive a killed server and keep its memory.
+from slowing a lone request: on the virtual machines measured, any work on the core a tier
+left idle slowed that tier (`loadtests/bench_startup.py --kill`). So while the gateway has
+exactly one request in flight, the standbys are held stopped (SIGSTOP), as a server holds its
+compile process while it serves a lone stream (`serving/engine/compile_process.py`); with
+several in flight they go on at idle priority, on what the tiers leave, so one is ready again
+soon under load too. A standby holds no weights (the imports' memory only) and exits when its
+stdin closes; one stopped when the gateway dies is killed outright (a stopped process would
+never act on SIGTERM).
 """
 
 import asyncio
@@ -126,18 +121,18 @@ class Supervisor:
         self._began = time.monotonic()
         self._warned_priority = False
         self._announced = False  # the all-ready line has been logged
-        self._busy = False  # a request is in flight: standbys are held stopped
+        self._held = False  # a lone request is in flight: standbys are held stopped
         for upstream in upstreams.values():
             upstream.on_in_flight = self._traffic_changed
 
     def _traffic_changed(self) -> None:
-        """Hold the standbys stopped while any request is in flight, and let them go on
-        when none is."""
-        busy = any(u.in_flight for u in self.upstreams.values())
-        if busy != self._busy:
-            self._busy = busy
+        """Hold the standbys stopped while exactly one request is in flight, and let them
+        go on otherwise."""
+        held = sum(u.in_flight for u in self.upstreams.values()) == 1
+        if held != self._held:
+            self._held = held
             for standby in self._standbys.values():
-                _signal_group(standby.pid, signal.SIGSTOP if busy else signal.SIGCONT)
+                _signal_group(standby.pid, signal.SIGSTOP if held else signal.SIGCONT)
 
     async def start(self) -> None:
         """Start every supervised tier's process (raising if one cannot be spawned) and watch
@@ -251,7 +246,7 @@ class Supervisor:
         standby = self._standbys.get(upstream.tier)
         if standby is None or standby.returncode is not None:
             standby = await self._start_process(upstream, standby=True)
-            if self._busy:
+            if self._held:
                 _signal_group(standby.pid, signal.SIGSTOP)
             # Its imports at idle priority: they would slow the tier it stands by for.
             if can_leave_idle():
