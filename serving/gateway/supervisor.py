@@ -19,8 +19,14 @@ exactly one request in flight, the standbys are held stopped (SIGSTOP), as a ser
 compile process while it serves a lone stream (`serving/engine/compile_process.py`); with
 several in flight they go on at idle priority, on what the tiers leave, so one is ready again
 soon under load too. A standby holds no weights (the imports' memory only) and exits when its
-stdin closes; one stopped when the gateway dies is killed outright (a stopped process would
-never act on SIGTERM).
+stdin closes.
+
+Children run in their own process group (a Ctrl-C at the terminal reaches only the gateway,
+which drains before it stops them) and, on Linux, get SIGTERM from the kernel if the
+gateway dies without cleaning up, so no tier outlives its gateway; a standby gets SIGKILL
+instead, since one held stopped would never act on SIGTERM. A child that has exited (or
+been stopped) has what is left of its process group killed: vLLM's server runs its engine
+in a process of its own, which would otherwise outlive a killed server and keep its memory.
 """
 
 import asyncio

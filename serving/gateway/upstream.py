@@ -101,7 +101,7 @@ class Upstream:
     warmup: dict[str, Any] | None = None  # the tier's last warm-up progress, while warming
     started_at: float | None = None  # when its process was (re)started, monotonic
     ready_s: float | None = None  # from that start to its first 200 from /health
-    # Told whenever `in_flight` changes (the supervisor's standbys wait out the traffic).
+    # Told whenever `in_flight` changes (the supervisor holds its standbys under a lone request).
     on_in_flight: Callable[[], None] | None = None
     _urls: dict[str, httpx.URL] = field(default_factory=dict)
 
