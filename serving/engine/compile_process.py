@@ -18,7 +18,6 @@ it serves several, which the larger graphs are for, or none.
     python -m serving.engine.compile_process   # spec on stdin: written by `spawn`
 """
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -32,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from serving.engine.engine_config import EngineConfig
-from serving.engine.process_priority import make_idle
+from serving.engine.process_priority import make_idle, signal_group
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +90,7 @@ class CompileApart:
     def _signal(self, sig: int) -> None:
         process = self.process
         if process is not None and process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # it ended since the poll
-                os.killpg(process.pid, sig)
+            signal_group(process.pid, sig)
 
 
 def _exit_with(parent: int) -> None:

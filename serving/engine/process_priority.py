@@ -16,6 +16,7 @@ permits nice 0 (sched(7)); where none holds, standbys run at normal priority, an
 supervisor says so once.
 """
 
+import contextlib
 import os
 import resource
 from pathlib import Path
@@ -29,6 +30,13 @@ def make_idle(pid: int) -> None:
 def make_normal(pid: int) -> None:
     """Give process `pid` (each of its threads) the default policy again."""
     _set_policy(pid, os.SCHED_OTHER)
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send `sig` to process group `pgid` (SIGSTOP and SIGCONT hold one still and let it go
+    on); a group gone meanwhile, or not ours, is left alone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
 
 
 def can_leave_idle() -> bool:

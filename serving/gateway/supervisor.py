@@ -40,7 +40,12 @@ import sys
 import time
 
 from router.policy import Tier
-from serving.engine.process_priority import can_leave_idle, make_idle, make_normal
+from serving.engine.process_priority import (
+    can_leave_idle,
+    make_idle,
+    make_normal,
+    signal_group,
+)
 from serving.gateway.config import EmbeddedTier, SupervisedTier, SupervisorConfig, VllmTier
 from serving.gateway.upstream import Probe, TierState, Upstream
 from serving.gateway.vllm_tier import vllm_command, vllm_env
@@ -93,12 +98,7 @@ def child_process(config: SupervisedTier, port: int) -> tuple[list[str], dict[st
 
 def _kill_group(pid: int) -> None:
     """SIGKILL whatever is left of an exited child's process group (its own children)."""
-    _signal_group(pid, signal.SIGKILL)
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
+    signal_group(pid, signal.SIGKILL)
 
 
 async def _release(standby: asyncio.subprocess.Process) -> bool:
@@ -107,7 +107,7 @@ async def _release(standby: asyncio.subprocess.Process) -> bool:
     if standby.returncode is not None:
         return False
     try:
-        _signal_group(standby.pid, signal.SIGCONT)
+        signal_group(standby.pid, signal.SIGCONT)
         if can_leave_idle():
             make_normal(standby.pid)
         standby.stdin.write(b"start\n")
@@ -138,7 +138,7 @@ class Supervisor:
         if held != self._held:
             self._held = held
             for standby in self._standbys.values():
-                _signal_group(standby.pid, signal.SIGSTOP if held else signal.SIGCONT)
+                signal_group(standby.pid, signal.SIGSTOP if held else signal.SIGCONT)
 
     async def start(self) -> None:
         """Start every supervised tier's process (raising if one cannot be spawned) and watch
@@ -197,7 +197,7 @@ class Supervisor:
     async def _terminate(self, process: asyncio.subprocess.Process) -> None:
         if process.returncode is None:
             process.terminate()
-            _signal_group(process.pid, signal.SIGCONT)  # a held standby, to act on it
+            signal_group(process.pid, signal.SIGCONT)  # a held standby, to act on it
             try:
                 await asyncio.wait_for(process.wait(), self.config.stop_timeout_s)
             except TimeoutError:
@@ -253,7 +253,7 @@ class Supervisor:
         if standby is None or standby.returncode is not None:
             standby = await self._start_process(upstream, standby=True)
             if self._held:
-                _signal_group(standby.pid, signal.SIGSTOP)
+                signal_group(standby.pid, signal.SIGSTOP)
             # Its imports at idle priority: they would slow the tier it stands by for.
             if can_leave_idle():
                 make_idle(standby.pid)
