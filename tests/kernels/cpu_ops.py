@@ -38,10 +38,11 @@ def assert_built(available: Callable[[], bool], ops: str) -> None:
 
 def run_at_capability(test_file: Path, capability: str) -> None:
     """The file's other tests in a process whose ATen capability is lowered to `capability`
-    (each builds its own library). A capability this CPU lacks cannot run here: skipped."""
+    (each builds its own library). This process ran them at its own capability, and a
+    capability this CPU lacks cannot run here: both skipped."""
     native = cpu_extension.capability()
-    here = CAPABILITIES[: CAPABILITIES.index(native) + 1]
-    if capability not in here or os.environ.get("ATEN_CPU_CAPABILITY"):
+    below = CAPABILITIES[: CAPABILITIES.index(native)]
+    if capability not in below or os.environ.get("ATEN_CPU_CAPABILITY"):
         pytest.skip(f"{capability} is not below this process's {native}")
     env = os.environ | {"ATEN_CPU_CAPABILITY": capability.lower()}
     cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider"]

@@ -75,13 +75,13 @@ def test_a_missed_slo_exits_non_zero(config: Path, tmp_path: Path):
 def test_tiers_never_ready_fail_with_a_clear_message(tmp_path: Path):
     config, processes = canned_tiers(tmp_path, warmup_s=3600)
     try:
-        result = loadtest(config, tmp_path / "out", "--ready-timeout", "15")
+        result = loadtest(config, tmp_path / "out", "--ready-timeout", "10")
     finally:
         for process in processes:
             process.terminate()
             process.wait(timeout=30)
     assert result.returncode != 0
-    assert "tiers not ready after 15 s (--ready-timeout)" in result.stderr, result.stderr
+    assert "tiers not ready after 10 s (--ready-timeout)" in result.stderr, result.stderr
     assert "full warming 0/6" in result.stderr
     assert not (tmp_path / "out" / "summary.json").exists()
 
