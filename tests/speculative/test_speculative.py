@@ -1,12 +1,10 @@
 """Speculative decoding in the engine: greedy outputs identical to plain decoding for every
 drafter, exact KV block accounting through rollbacks, and the adaptive lookahead."""
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from serving.engine import llm_engine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
@@ -258,27 +256,3 @@ def test_compiled_mtp_drafter_keeps_plain_greedy_tokens(chat_prompts, tmp_path, 
     stats = engine.speculator.stats
     assert stats.num_accepted_tokens > stats.num_draft_tokens / 2
     assert len(list((tmp_path / "cache" / "graphs").iterdir())) == 2
-
-
-@pytest.mark.slow
-def test_a_servers_compile_process_stores_the_mtp_graphs_too(tmp_path, monkeypatch):
-    """With graphs compiled apart, the process that compiles the target's larger sizes
-    compiles the drafter's graphs as well, and the server loads them without tracing."""
-    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    config = EngineConfig(
-        max_num_seqs=1,  # graphs of 1 row and of a verify step's 5
-        speculative=SPECS["mtp"],
-        enforce_eager=False,
-        compile_graphs_apart=True,
-    )
-    engine = LLMEngine.from_checkpoint(TARGET, config)
-    target = engine.runner.paged.graphs
-    deadline = time.monotonic() + 300
-    while not target.ready and time.monotonic() < deadline:
-        time.sleep(0.05)
-    frames = counters["frames"]["total"]  # the one-row target graph, traced here
-    assert not engine.warmup().ready  # the drafter's graphs are not in yet
-    engine.wait_warm()
-    assert engine.warmup() == (4, 4, True, True)
-    assert counters["frames"]["total"] == frames  # the rest loaded whole
-    assert len(list((tmp_path / "cache" / "graphs").iterdir())) == 4

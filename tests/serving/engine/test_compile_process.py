@@ -14,16 +14,20 @@ from pathlib import Path
 import pytest
 from torch._dynamo.utils import counters
 
+from loadtests.bench_speculative import task_prompts
 from serving.engine.compile_process import CompileApart
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
 from serving.sampling.params import SamplingParams
+from speculative.config import SpeculativeConfig
+from tests import REPO
 from tests.serving.gateway.processes import alive, settles, state
 from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
 
 # max_num_seqs 2: graphs of 1 and 2 rows (`graph_sizes`).
 CONFIG = dict(max_num_seqs=2, max_num_batched_tokens=64)
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+MTP_TARGET = REPO / "models" / "demo-highspeed"  # a trained target with an MTP layer
 
 
 def eager_tokens(ckpt: Path, ps: list[list[int]]) -> list[list[int]]:
@@ -32,35 +36,41 @@ def eager_tokens(ckpt: Path, ps: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_larger_graphs_compile_in_a_process_of_their_own(
-    tmp_path: Path, monkeypatch, tiny_tokenizer
-):
+def test_larger_graphs_and_the_drafters_compile_in_a_process_of_their_own(tmp_path, monkeypatch):
+    """A speculating engine (MTP) is ready at one row while the process compiles the
+    target's verify size and the drafter's graphs; it loads them whole, without tracing, and
+    serves plain decoding's greedy tokens through them."""
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    ckpt = save_tiny_moe(tmp_path / "tiny-moe")
-    tiny_tokenizer.save(str(ckpt / "tokenizer.json"))  # `from_checkpoint` loads one
-    (ckpt / "tokenizer_config.json").write_text("{}")
-    engine = LLMEngine.from_checkpoint(
-        ckpt, EngineConfig(**CONFIG, enforce_eager=False, compile_graphs_apart=True)
+    config = EngineConfig(
+        max_num_seqs=1,  # the target's graphs: 1 row, and a verify step's 5
+        speculative=SpeculativeConfig(method="mtp"),
+        dtype="float32",
+        enforce_eager=False,
+        compile_graphs_apart=True,
     )
-    engine.eos_token_ids = set()
+    engine = LLMEngine.from_checkpoint(MTP_TARGET, config)
+    target = engine.runner.paged.graphs
     deadline = time.monotonic() + 300
-    while not engine.warmup().ready and time.monotonic() < deadline:
+    while not target.ready and time.monotonic() < deadline:
         time.sleep(0.05)
     # Ready at one row, while the other process still imports torch and compiles.
-    assert engine.warmup() == (1, 2, True, False)
-    frames = counters["frames"]["total"]
-    graphs = engine.runner.paged.graphs
-    graphs.wait()
-    assert engine.warmup() == (2, 2, True, True)
-    assert graphs.ready_sizes == (1, 2)
-    assert counters["frames"]["total"] == frames  # loaded whole: nothing traced here
-    assert len(list((tmp_path / "cache" / "graphs").iterdir())) == 2
-    ps = prompts(2, TINY_MOE["vocab_size"], seed=7)
+    assert target.progress() == (1, 2, True, False)
+    assert not engine.warmup().ready  # nor are the drafter's graphs in yet
+    frames = counters["frames"]["total"]  # the one-row target graph, traced here
+    engine.wait_warm()
+    assert engine.warmup() == (4, 4, True, True)
+    assert target.ready_sizes == (1, 5)
+    assert counters["frames"]["total"] == frames  # the rest loaded whole
+    assert len(list((tmp_path / "cache" / "graphs").iterdir())) == 4
+    ps = task_prompts(engine.tokenizer, 2)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = LLMEngine.from_checkpoint(MTP_TARGET, EngineConfig(dtype="float32"))
     rows = []
-    call = graphs._call
-    graphs._call = lambda inputs: (rows.append(len(inputs.ids)), call(inputs))[1]
-    assert [o[0].token_ids for o in engine.generate(ps, PARAMS)] == eager_tokens(ckpt, ps)
-    assert 2 in rows  # both sequences' decode steps went through the loaded graph
+    call = target._call
+    target._call = lambda inputs: (rows.append(len(inputs.ids)), call(inputs))[1]
+    got = [o[0].token_ids for o in engine.generate(ps, params)]
+    assert got == [o[0].token_ids for o in plain.generate(ps, params)]
+    assert 5 in rows  # verify steps went through the loaded graph
 
 
 @pytest.mark.slow
