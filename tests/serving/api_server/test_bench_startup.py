@@ -1,0 +1,32 @@
+"""The start-up benchmark's reference: the measured server and every process below it (its
+compile process, that process's compilers) stand still while the reference serves."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from loadtests.bench_startup import process_tree, stopped
+from tests.serving.gateway.processes import settles, state
+
+
+def test_a_server_and_its_descendants_stop_and_continue_together(tmp_path: Path):
+    pids = tmp_path / "pids"
+    script = (
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import subprocess, time; "
+        'subprocess.Popen(["sleep", "60"]); time.sleep(60)\'], process_group=0)\n'
+        f"open({str(pids)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        assert settles(lambda: pids.exists() and len(process_tree(server.pid)) == 3)
+        tree = process_tree(server.pid)
+        assert tree[0] == server.pid and int(pids.read_text()) in tree
+        with stopped(server.pid):
+            assert all(state(pid) == "T" for pid in tree)
+        assert settles(lambda: all(state(pid) != "T" for pid in tree))
+    finally:
+        for pid in reversed(process_tree(server.pid)):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+        server.wait()
