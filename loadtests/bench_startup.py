@@ -15,8 +15,9 @@ stopped (SIGSTOP), so the reference has the machine to itself, as the tier has (
 compile process under a lone stream). Full speed is then the first median over the later,
 each over the reference's beside it; the raw ratio is printed too.
 
-`--kill` then starts `tierserve serve` over two tiers of the checkpoint (warm cache), puts it
-under load, SIGKILLs the full tier and times its recovery: from the kill to the gateway's
+`--kill` then starts `tierserve serve` over two tiers of the checkpoint (warm cache), waits
+for the full tier's standby to be past its imports, puts the server under load, SIGKILLs the
+full tier and times its recovery: from the kill to the gateway's
 /health saying the tier is ready again, and its one-stream speed then.
 
 Each run has a cache directory of its own (inductor's caches and the C++ extension that
@@ -210,6 +211,11 @@ class Load(threading.Thread):
             self.statuses.append(status)
 
 
+def full_tier(url: str) -> dict:
+    """The full tier's entry in the gateway's /health."""
+    return httpx.get(f"{url}/health", timeout=5).json()["tiers"]["full"]
+
+
 def kill_under_load(checkpoint: Path, cache: Path, dtype: str, workdir: Path) -> dict[str, float]:
     tier = {"model": str(checkpoint), "dtype": dtype, "threads": 1}
     port = free_port()
@@ -230,7 +236,11 @@ def kill_under_load(checkpoint: Path, cache: Path, dtype: str, workdir: Path) ->
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, 900, gateway, log)
-        pid = httpx.get(f"{url}/health", timeout=5).json()["tiers"]["full"]["pid"]
+        # A tier killed in steady state: its standby past its imports (a kill before that
+        # waits for the rest of them).
+        while not full_tier(url)["standby_ready"]:
+            time.sleep(0.1)
+        pid = full_tier(url)["pid"]
         loads = [Load(url) for _ in range(4)]
         for load in loads:
             load.start()
@@ -238,7 +248,7 @@ def kill_under_load(checkpoint: Path, cache: Path, dtype: str, workdir: Path) ->
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         while True:
-            full = httpx.get(f"{url}/health", timeout=5).json()["tiers"]["full"]
+            full = full_tier(url)
             if full["state"] == "healthy" and full["pid"] != pid:
                 recovery = time.monotonic() - killed
                 break

@@ -2,6 +2,7 @@
 generation (`generate`) and FP4 conversion (`quantize`)."""
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -141,10 +142,14 @@ def run_engine(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.standby:
+        from serving.gateway.supervisor import STANDBY_READY
         from serving.model.decode_graphs import import_compiler
 
         import_compiler()
-        if not sys.stdin.readline():  # the gateway closed the pipe: it is gone or stopping
+        # Stdin is a socket from the gateway, which reads this there; a pipe's read end refuses it.
+        with contextlib.suppress(OSError):
+            os.write(sys.stdin.fileno(), STANDBY_READY)
+        if not sys.stdin.readline():  # the gateway closed it: it is gone or stopping
             return
     config = _engine_config(args)
     config.compile_graphs_apart = True  # a server: ready at one stream's full speed sooner

@@ -10,16 +10,17 @@ supervisor logs one line when every tier is ready, with how long each took.
 A restart's start is mostly imports (torch, dynamo, inductor, FastAPI), so, as a process
 pool keeps workers forked ahead, the supervisor keeps one standby per embedded tier once the
 tier is ready: `tierserve engine --standby` past its imports, waiting for a line on its stdin
-before it loads the checkpoint and binds the tier's port. A tier that dies is replaced by its
-standby, and a new standby is started once the replacement is ready, at idle priority until
-it takes over (`serving/engine/process_priority.py`). Idle priority did not keep its imports
-from slowing a lone request: on the virtual machines measured, any work on the core a tier
-left idle slowed that tier (`loadtests/bench_startup.py --kill`). So while the gateway has
-exactly one request in flight, the standbys are held stopped (SIGSTOP), as a server holds its
-compile process while it serves a lone stream (`serving/engine/compile_process.py`); with
-several in flight they go on at idle priority, on what the tiers leave, so one is ready again
-soon under load too. A standby holds no weights (the imports' memory only) and exits when its
-stdin closes.
+before it loads the checkpoint and binds the tier's port. Its stdin is a socket, on which it
+also says when it is past its imports (/health's `standby_ready`). A tier that dies is
+replaced by its standby, and a new standby is started once the replacement is ready, at
+idle priority until it takes over (`serving/engine/process_priority.py`). Idle priority did
+not keep its imports from slowing a lone request: on the virtual machines measured, any work
+on the core a tier left idle slowed that tier (`loadtests/bench_startup.py --kill`). So while
+the gateway has exactly one request in flight, the standbys are held stopped (SIGSTOP), as a
+server holds its compile process while it serves a lone stream
+(`serving/engine/compile_process.py`); with several in flight they go on at idle priority,
+on what the tiers leave, so one is ready again soon under load too. A standby holds no
+weights (the imports' memory only) and exits when its stdin closes.
 
 Children run in their own process group (a Ctrl-C at the terminal reaches only the gateway,
 which drains before it stops them) and, on Linux, get SIGTERM from the kernel if the
@@ -36,8 +37,10 @@ import functools
 import logging
 import os
 import signal
+import socket
 import sys
 import time
+from dataclasses import dataclass
 
 from router.policy import Tier
 from serving.engine.process_priority import (
@@ -96,25 +99,42 @@ def child_process(config: SupervisedTier, port: int) -> tuple[list[str], dict[st
     return engine_command(config, port), dict(os.environ, OMP_NUM_THREADS=str(config.threads))
 
 
+# What a standby writes on its stdin once past its imports.
+STANDBY_READY = b"ready\n"
+
+
 def _kill_group(pid: int) -> None:
     """SIGKILL whatever is left of an exited child's process group (its own children)."""
     signal_group(pid, signal.SIGKILL)
 
 
-async def _release(standby: asyncio.subprocess.Process) -> bool:
-    """Tell a standby to start, at normal priority again; False if it has died meanwhile."""
-    assert standby.stdin is not None
-    if standby.returncode is not None:
+@dataclass
+class Standby:
+    """A standby process and the gateway's end of the socket that is its stdin."""
+
+    process: asyncio.subprocess.Process
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+    async def wait_ready(self) -> bool:
+        """Until it says it is past its imports; False if it ended first."""
+        with contextlib.suppress(ConnectionError):
+            return await self.reader.readline() == STANDBY_READY
         return False
-    try:
-        signal_group(standby.pid, signal.SIGCONT)
-        if can_leave_idle():
-            make_normal(standby.pid)
-        standby.stdin.write(b"start\n")
-        await standby.stdin.drain()
-    except (BrokenPipeError, ConnectionResetError, ProcessLookupError):
-        return False
-    return True
+
+    async def release(self) -> bool:
+        """Tell it to start, at normal priority again; False if it has died meanwhile."""
+        if self.process.returncode is not None:
+            return False
+        try:
+            signal_group(self.process.pid, signal.SIGCONT)
+            if can_leave_idle():
+                make_normal(self.process.pid)
+            self.writer.write(b"start\n")
+            await self.writer.drain()
+        except (ConnectionError, ProcessLookupError):
+            return False
+        return True
 
 
 class Supervisor:
@@ -122,7 +142,7 @@ class Supervisor:
         self.upstreams = upstreams
         self.config = config
         self._processes: dict[Tier, asyncio.subprocess.Process] = {}
-        self._standbys: dict[Tier, asyncio.subprocess.Process] = {}
+        self._standbys: dict[Tier, Standby] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._began = time.monotonic()
         self._warned_priority = False
@@ -138,7 +158,7 @@ class Supervisor:
         if held != self._held:
             self._held = held
             for standby in self._standbys.values():
-                signal_group(standby.pid, signal.SIGSTOP if held else signal.SIGCONT)
+                signal_group(standby.process.pid, signal.SIGSTOP if held else signal.SIGCONT)
 
     async def start(self) -> None:
         """Start every supervised tier's process (raising if one cannot be spawned) and watch
@@ -190,7 +210,9 @@ class Supervisor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for tier in self._processes:
             self.upstreams[tier].state = TierState.STOPPED
-        processes = [*self._processes.values(), *self._standbys.values()]
+        processes = [*self._processes.values(), *(s.process for s in self._standbys.values())]
+        for standby in self._standbys.values():
+            standby.writer.close()
         self._processes, self._standbys = {}, {}
         await asyncio.gather(*(self._terminate(p) for p in processes))
 
@@ -212,15 +234,16 @@ class Supervisor:
 
     async def _spawn(self, upstream: Upstream) -> asyncio.subprocess.Process:
         """Start the tier: its standby if it has one alive, else a new process."""
-        process = self._standbys.pop(upstream.tier, None)
-        upstream.standby_pid = None
-        if process is not None and not await _release(process):
+        standby = self._standbys.pop(upstream.tier, None)
+        upstream.standby_pid, upstream.standby_ready = None, False
+        process = None if standby is None else standby.process
+        if standby is not None and not await standby.release():
             log.warning("tier %s: its standby pid %d is gone; starting anew", upstream.tier,
-                        process.pid)  # fmt: skip
-            _kill_group(process.pid)
+                        standby.process.pid)  # fmt: skip
+            _kill_group(standby.process.pid)
             process = None
         if process is None:
-            process = await self._start_process(upstream, standby=False)
+            process = await self._start_process(upstream)
         self._processes[upstream.tier] = process
         upstream.pid = process.pid
         upstream.started_at = time.monotonic()
@@ -228,14 +251,17 @@ class Supervisor:
         log.info("tier %s: started pid %d on port %s", upstream.tier, process.pid, port)
         return process
 
-    async def _start_process(self, upstream: Upstream, standby: bool) -> asyncio.subprocess.Process:
+    async def _start_process(
+        self, upstream: Upstream, standby: socket.socket | None = None
+    ) -> asyncio.subprocess.Process:
+        """The tier's process; a standby when `standby` (its stdin) is given."""
         assert isinstance(upstream.config, SupervisedTier)
         port = int(upstream.server_root.rsplit(":", 1)[1])
         command, env = child_process(upstream.config, port)
         return await asyncio.create_subprocess_exec(
             *command,
-            *["--standby"] * standby,
-            stdin=asyncio.subprocess.PIPE if standby else None,
+            *["--standby"] * (standby is not None),
+            stdin=standby,
             env=env,
             start_new_session=True,
             preexec_fn=(
@@ -250,13 +276,18 @@ class Supervisor:
         if not (self.config.standby and isinstance(upstream.config, EmbeddedTier)):
             return
         standby = self._standbys.get(upstream.tier)
-        if standby is None or standby.returncode is not None:
-            standby = await self._start_process(upstream, standby=True)
+        if standby is None or standby.process.returncode is not None:
+            ours, theirs = socket.socketpair()
+            try:
+                process = await self._start_process(upstream, standby=theirs)
+            finally:
+                theirs.close()
+            standby = Standby(process, *await asyncio.open_unix_connection(sock=ours))
             if self._held:
-                signal_group(standby.pid, signal.SIGSTOP)
+                signal_group(process.pid, signal.SIGSTOP)
             # Its imports at idle priority: they would slow the tier it stands by for.
             if can_leave_idle():
-                make_idle(standby.pid)
+                make_idle(process.pid)
             elif not self._warned_priority:
                 self._warned_priority = True
                 log.warning(
@@ -265,8 +296,14 @@ class Supervisor:
                     "with the tiers"
                 )
             self._standbys[upstream.tier] = standby
-            upstream.standby_pid = standby.pid
-            log.info("tier %s: standby pid %d", upstream.tier, standby.pid)
+            upstream.standby_pid, upstream.standby_ready = process.pid, False
+            log.info("tier %s: standby pid %d", upstream.tier, process.pid)
+            self._tasks.append(asyncio.create_task(self._standby_ready(upstream, standby)))
+
+    async def _standby_ready(self, upstream: Upstream, standby: Standby) -> None:
+        if await standby.wait_ready() and self._standbys.get(upstream.tier) is standby:
+            upstream.standby_ready = True
+            log.info("tier %s: standby pid %d ready", upstream.tier, standby.process.pid)
 
     async def _watch(self, upstream: Upstream, process: asyncio.subprocess.Process | None) -> None:
         """Keep one tier's state current; for a supervised tier (`process`), restart it."""

@@ -97,6 +97,7 @@ class Upstream:
     restarts: int = 0
     pid: int | None = None
     standby_pid: int | None = None  # the process kept ready to replace it (`supervisor`)
+    standby_ready: bool = False  # that process is past its imports
     last_error: str | None = field(default=None)
     warmup: dict[str, Any] | None = None  # the tier's last warm-up progress, while warming
     started_at: float | None = None  # when its process was (re)started, monotonic
@@ -165,7 +166,8 @@ class Upstream:
         }
         if isinstance(self.config, SupervisedTier):
             info |= {"pid": self.pid, "standby_pid": self.standby_pid,
-                     "restarts": self.restarts, "ready_s": self.ready_s}  # fmt: skip
+                     "standby_ready": self.standby_ready, "restarts": self.restarts,
+                     "ready_s": self.ready_s}  # fmt: skip
         if self.warmup is not None:
             info["warmup"] = self.warmup
         if self.last_error and self.state != TierState.HEALTHY:

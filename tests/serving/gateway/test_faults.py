@@ -81,8 +81,9 @@ def test_sigkill_of_a_tier_under_load(random_checkpoint: Path, tmp_path: Path):
     again once it is ready (its compiled decode steps loaded), no request lost meanwhile."""
     gw = start_gateway(random_checkpoint, tmp_path, enforce_eager=False)
     try:
-        while (standby_pid := gw.health()["tiers"]["full"]["standby_pid"]) is None:
-            time.sleep(0.1)  # started once the tier is ready
+        while not (full := gw.health()["tiers"]["full"])["standby_ready"]:
+            time.sleep(0.1)  # started once the tier is ready, ready once past its imports
+        standby_pid = full["standby_pid"]
         pids = child_pids(gw)
         assert standby_pid in pids
         assert policies(standby_pid) == {os.SCHED_IDLE}  # its imports yield to the tiers
@@ -125,6 +126,7 @@ def test_sigkill_of_a_tier_under_load(random_checkpoint: Path, tmp_path: Path):
         new_standby = health["tiers"]["full"]["standby_pid"]
         assert new_standby not in (None, standby_pid)
         assert settles(lambda: state(new_standby) != "T")  # nothing in flight: it goes on
+        assert settles(lambda: gw.health()["tiers"]["full"]["standby_ready"], 60)
     finally:
         stop(gw, child_pids(gw))
 
