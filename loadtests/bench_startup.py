@@ -17,13 +17,15 @@ each over the reference's beside it; the raw ratio is printed too.
 
 `--kill` then starts `tierserve serve` over two tiers of the checkpoint (warm cache), waits
 for the full tier's standby to be past its imports, puts the server under load, SIGKILLs the
-full tier and times its recovery: from the kill to the gateway's
-/health saying the tier is ready again, and its one-stream speed then.
+full tier and times its recovery: from the kill to the gateway's /health saying the tier is
+ready again; then its one-stream speed right away and a minute later, each beside the
+highspeed tier's (the same checkpoint, up all along), as above. `--kill-only` runs only
+that, its cache warmed first.
 
 Each run has a cache directory of its own (inductor's caches and the C++ extension that
 `kernels/cpu_attention.py` builds), so cold is cold and no other checkout's builds interfere.
 
-    python -m loadtests.bench_startup [--checkpoint DIR] [--dtype float32] [--kill]
+    python -m loadtests.bench_startup [--checkpoint DIR] [--dtype float32] [--kill | --kill-only]
 """
 
 import argparse
@@ -36,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
@@ -79,9 +81,10 @@ def tokens_per_s(root: str, model: str) -> float:
     return response.json()["usage"]["completion_tokens"] / (time.monotonic() - start)
 
 
-def median_speed(root: str, model: str) -> float:
-    """The median tokens/s of SPEED_REQUESTS requests one after another."""
-    return statistics.median(tokens_per_s(root, model) for _ in range(SPEED_REQUESTS))
+def alternating(speed: Callable[[], float], beside: Callable[[], float]) -> tuple[float, float]:
+    """The medians of SPEED_REQUESTS requests of each, in turn."""
+    pairs = [(speed(), beside()) for _ in range(SPEED_REQUESTS)]
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
 def process_tree(pid: int) -> list[int]:
@@ -126,12 +129,12 @@ class Reference:
     def beside(self, root: str, pid: int) -> tuple[float, float]:
         """The medians of SPEED_REQUESTS requests to `root` (the server `pid`) and as many to
         the reference, alternating; the server stopped while the reference serves."""
-        tier, reference = [], []
-        for _ in range(SPEED_REQUESTS):
-            tier.append(tokens_per_s(root, "bench"))
+
+        def reference() -> float:
             with stopped(pid):
-                reference.append(tokens_per_s(self.root, "bench"))
-        return statistics.median(tier), statistics.median(reference)
+                return tokens_per_s(self.root, "bench")
+
+        return alternating(lambda: tokens_per_s(root, "bench"), reference)
 
 
 @contextlib.contextmanager
@@ -216,7 +219,12 @@ def full_tier(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=5).json()["tiers"]["full"]
 
 
-def kill_under_load(checkpoint: Path, cache: Path, dtype: str, workdir: Path) -> dict[str, float]:
+def kill_under_load(
+    checkpoint: Path, cache: Path, dtype: str, workdir: Path, later_s: float
+) -> dict[str, float]:
+    """Recovery from a SIGKILL of the full tier under load, then one stream on it right away
+    and `later_s` after, each beside the highspeed tier (the same checkpoint, up all along)
+    as the reference."""
     tier = {"model": str(checkpoint), "dtype": dtype, "threads": 1}
     port = free_port()
     config = {
@@ -256,14 +264,20 @@ def kill_under_load(checkpoint: Path, cache: Path, dtype: str, workdir: Path) ->
         for load in loads:
             load.stop.set()
             load.join(120)
-        first, later = median_speed(url, "full"), median_speed(url, "full")
+
+        def speed(tier: str) -> Callable[[], float]:
+            return lambda: tokens_per_s(url, tier)
+
+        first, ref_first = alternating(speed("full"), speed("highspeed"))
+        time.sleep(later_s)
+        later, ref_later = alternating(speed("full"), speed("highspeed"))
     finally:
         gateway.terminate()
         gateway.wait(120)
     statuses = [s for load in loads for s in load.statuses]
     failed = sum(s != 200 for s in statuses)
-    return {"recovery_s": recovery, "first": first, "later": later,
-            "requests": len(statuses), "failed": failed}  # fmt: skip
+    return {"recovery_s": recovery, "first": first, "later": later, "ref_first": ref_first,
+            "ref_later": ref_later, "requests": len(statuses), "failed": failed}  # fmt: skip
 
 
 def verdict(first: float, later: float) -> str:
@@ -279,6 +293,10 @@ def main() -> None:
         "--threads", type=int, default=2, help="the tier's (a machine busy with other work: 1)"
     )
     ap.add_argument("--kill", action="store_true", help="also SIGKILL a tier under load")
+    ap.add_argument("--kill-only", action="store_true", help="only that (its cache warmed first)")
+    ap.add_argument(
+        "--kill-later-s", type=float, default=60, help="when after recovery full speed is measured"
+    )
     ap.add_argument(
         "--later-s", type=float, default=300, help="when after the spawn full speed is measured"
     )
@@ -286,13 +304,16 @@ def main() -> None:
     checkpoint = build_checkpoint(args.checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
         cache, log = Path(tmp) / "cache", Path(tmp) / "engine.log"
+        reference_cache = cache if args.kill_only else Path(tmp) / "reference-cache"
         with reference_engine(
-            checkpoint, Path(tmp) / "reference-cache", args.dtype, args.threads,
-            Path(tmp) / "reference.log",
-        ) as reference:  # fmt: skip
+            checkpoint, reference_cache, args.dtype, args.threads, Path(tmp) / "reference.log"
+        ) as reference:
             tier = (checkpoint, cache, args.dtype, args.threads, log, args.later_s, reference)
-            rows = [(name, start_tier(*tier)) for name in ("cold", "warm")]
-        killed = kill_under_load(checkpoint, cache, args.dtype, Path(tmp)) if args.kill else None
+            rows = [] if args.kill_only else [(n, start_tier(*tier)) for n in ("cold", "warm")]
+        killed = None
+        if args.kill or args.kill_only:
+            work = (checkpoint, cache, args.dtype, Path(tmp), args.kill_later_s)
+            killed = kill_under_load(*work)
     print(f"\n`tierserve engine --model {checkpoint.name} --dtype {args.dtype}`, "
           f"{args.threads} threads; "
           f"one stream: {NEW_TOKENS} new tokens, greedy")  # fmt: skip
@@ -308,11 +329,16 @@ def main() -> None:
               f"{row['first'] / row['later']:.2f} | {verdict(first, later)} | "
               f"{row['all_s']:.1f} |")  # fmt: skip
     if killed:
+        k = killed
+        first, later = k["first"] / k["ref_first"], k["later"] / k["ref_later"]
         print(f"\nSIGKILL of the full tier under load (`tierserve serve`, two tiers, 1 thread "
-              f"each, warm cache): back ready in {killed['recovery_s']:.1f} s; then one stream "
-              f"{killed['first']:.0f} tok/s against {killed['later']:.0f} later: "
-              f"{verdict(killed['first'], killed['later'])}; {killed['requests']} requests "
-              f"under load, {killed['failed']} failed")  # fmt: skip
+              f"each, warm cache, the tier's standby ready): back ready in "
+              f"{k['recovery_s']:.1f} s; then one stream {k['first']:.0f} tok/s (the highspeed "
+              f"tier's beside: {k['ref_first']:.0f}) against {k['later']:.0f} "
+              f"({k['ref_later']:.0f}) {args.kill_later_s:.0f} s later: raw "
+              f"{k['first'] / k['later']:.2f}, each over the highspeed tier's "
+              f"{verdict(first, later)}; {k['requests']} requests under load, "
+              f"{k['failed']} failed")  # fmt: skip
 
 
 if __name__ == "__main__":
