@@ -124,7 +124,6 @@ class Reference:
     """A warm engine whose speed, taken beside a tier's, tells the machine's from the tier's."""
 
     root: str
-    process: subprocess.Popen
 
     def beside(self, root: str, pid: int) -> tuple[float, float]:
         """The medians of SPEED_REQUESTS requests to `root` (the server `pid`) and as many to
@@ -148,7 +147,7 @@ def reference_engine(
         while "warmup" in httpx.get(f"{root}/health", timeout=5).json():
             time.sleep(0.5)
         tokens_per_s(root, "bench")
-        yield Reference(root, server)
+        yield Reference(root)
     finally:
         server.terminate()
         server.wait(60)

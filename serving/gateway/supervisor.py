@@ -123,10 +123,11 @@ class Standby:
         return False
 
     async def release(self) -> bool:
-        """Tell it to start, at normal priority again; False if it has died meanwhile."""
-        if self.process.returncode is not None:
-            return False
+        """Tell it to start, at normal priority again, the socket's last word; False if it
+        has died meanwhile."""
         try:
+            if self.process.returncode is not None:
+                return False
             signal_group(self.process.pid, signal.SIGCONT)
             if can_leave_idle():
                 make_normal(self.process.pid)
@@ -134,6 +135,8 @@ class Standby:
             await self.writer.drain()
         except (ConnectionError, ProcessLookupError):
             return False
+        finally:
+            self.writer.close()
         return True
 
 
