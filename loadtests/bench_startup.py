@@ -44,6 +44,7 @@ from itertools import count
 from pathlib import Path
 
 import httpx
+import psutil
 import yaml
 
 from loadtests.bench_engine import build_checkpoint
@@ -87,36 +88,23 @@ def alternating(speed: Callable[[], float], beside: Callable[[], float]) -> tupl
     return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
-def process_tree(pid: int) -> list[int]:
-    """`pid` and the processes below it."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    return tree
-
-
 @contextlib.contextmanager
 def stopped(pid: int) -> Iterator[None]:
-    """The process and every process below it stopped, continued after. Stopped from the
-    top, again until no new one appears: a stopped parent starts no child."""
-    done: list[int] = []
+    """The process and every process below it stopped (SIGSTOP), continued after. Stopped
+    from the top, again until no new one appears: a stopped parent starts no child."""
+    root = psutil.Process(pid)
+    done: list[psutil.Process] = []
     try:
-        while new := [p for p in process_tree(pid) if p not in done]:
+        while new := [p for p in [root, *root.children(recursive=True)] if p not in done]:
             for p in new:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, signal.SIGSTOP)
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.suspend()
                 done.append(p)
         yield
     finally:
         for p in reversed(done):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, signal.SIGCONT)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.resume()
 
 
 @dataclass

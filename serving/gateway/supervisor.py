@@ -239,12 +239,14 @@ class Supervisor:
         """Start the tier: its standby if it has one alive, else a new process."""
         standby = self._standbys.pop(upstream.tier, None)
         upstream.standby_pid, upstream.standby_ready = None, False
-        process = None if standby is None else standby.process
-        if standby is not None and not await standby.release():
-            log.warning("tier %s: its standby pid %d is gone; starting anew", upstream.tier,
-                        standby.process.pid)  # fmt: skip
-            _kill_group(standby.process.pid)
-            process = None
+        process = None
+        if standby is not None:
+            if await standby.release():
+                process = standby.process
+            else:
+                log.warning("tier %s: its standby pid %d is gone; starting anew", upstream.tier,
+                            standby.process.pid)  # fmt: skip
+                _kill_group(standby.process.pid)
         if process is None:
             process = await self._start_process(upstream)
         self._processes[upstream.tier] = process

@@ -1,11 +1,14 @@
 """The start-up benchmark's reference: the measured server and every process below it (its
 compile process, that process's compilers) stand still while the reference serves."""
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
 
-from loadtests.bench_startup import process_tree, stopped
+import psutil
+
+from loadtests.bench_startup import stopped
 from tests.serving.gateway.processes import settles, state
 
 
@@ -19,14 +22,19 @@ def test_a_server_and_its_descendants_stop_and_continue_together(tmp_path: Path)
         "time.sleep(60)\n"
     )
     server = subprocess.Popen([sys.executable, "-c", script])
+
+    def process_tree() -> list[int]:
+        return [server.pid, *(p.pid for p in psutil.Process(server.pid).children(recursive=True))]
+
     try:
-        assert settles(lambda: pids.exists() and len(process_tree(server.pid)) == 3)
-        tree = process_tree(server.pid)
+        assert settles(lambda: pids.exists() and len(process_tree()) == 3)
+        tree = process_tree()
         assert tree[0] == server.pid and int(pids.read_text()) in tree
         with stopped(server.pid):
             assert all(state(pid) == "T" for pid in tree)
         assert settles(lambda: all(state(pid) != "T" for pid in tree))
     finally:
-        for pid in reversed(process_tree(server.pid)):
-            subprocess.run(["kill", "-9", str(pid)], check=False)
+        for pid in reversed(process_tree()):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
         server.wait()
