@@ -66,7 +66,7 @@ class ModelRunner:
                     rows.append(seq)
                     last.append(offset + n - 1)
             offset += n
-        sampled = self._sample(rows, hidden[long_tensor(self.paged.device, last)]) if rows else []
+        sampled = self._sample(rows, _rows(hidden, last)) if rows else []
         sampled += [self._verify(seq, h) for seq, h in verify]
         return StepOutput(sampled, hidden, batch, [s.start for s in spans])
 
@@ -111,6 +111,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[lo - 1 - start : hi - 1 - start])
         targets = seq.token_ids[lo:hi]
         seq.prompt_logprobs += token_logprobs(logits, targets, seq.params.prompt_logprobs or 0)
+
+
+def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows]: a view where the rows are consecutive, as a step of decodes only has
+    them, else a gather."""
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return hidden[rows[0] : rows[-1] + 1]
+    return hidden[long_tensor(hidden.device, rows)]
 
 
 def _span(seq: Sequence, n: int) -> TokenSpan:

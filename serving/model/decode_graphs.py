@@ -57,11 +57,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kernels import cpu_dense, ops
 from serving.model import precompiled
-from serving.model.attention import AttentionMetadata, padded_tables
+from serving.model.attention import AttentionMetadata
 from serving.model.causal_lm import CausalLM
 from serving.model.spans import TokenSpan, graph_rows
 
@@ -192,6 +193,11 @@ class _Inputs:
     def head(self, size: int) -> "_Inputs":
         return _Inputs(*(t[:size] for t in vars(self).values()))
 
+    def host(self) -> "_Inputs":
+        """The same memory as numpy arrays: a step writes its host ints through them, each
+        write a fraction of the cost of an indexed copy into a tensor."""
+        return _Inputs(*(t.numpy() for t in vars(self).values()))
+
 
 class DecodeGraphs:
     """One compiled decode forward per padded batch size over one model's KV cache."""
@@ -227,6 +233,13 @@ class DecodeGraphs:
             scratch_block=scratch_block,
         )
         self.buffers = padding(sizes[-1])
+        self._host = self.buffers.host()
+        # Each size's leading rows of the buffers and, for its stored graph, the forward's
+        # arguments over them: the same views every step, built once.
+        self._heads = {size: self.buffers.head(size) for size in sizes}
+        self._stored_arguments = {
+            size: self._arguments(head, head.block_tables) for size, head in self._heads.items()
+        }
         self.model = model
         self.forward: Callable[..., torch.Tensor] | None = None  # set by the thread
         self._stored: dict[int, Callable[..., torch.Tensor]] = {}  # by size (`precompiled`)
@@ -396,29 +409,31 @@ class DecodeGraphs:
                 [self.run_rows(token_ids[p], positions[p], block_tables[p]) for p in parts]
             )
         bs = self.block_size
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
-        rows = torch.tensor([token_ids, positions, slots])
-        buf = self.buffers
-        buf.ids[:b] = rows[0]
-        buf.positions[:b] = rows[1]
-        buf.slots[:b] = rows[2]
-        torch.add(rows[1], 1, out=buf.context_lens[:b])
+        host = self._host
+        host.ids[:b] = token_ids
+        host.positions[:b] = positions
+        np.add(host.positions[:b], 1, out=host.context_lens[:b])
         width = max(map(len, block_tables))
-        buf.block_tables[:b, :width] = padded_tables(block_tables, buf.block_tables.device)
-        pad = buf.head(size)
-        pad.ids[b:] = 0
-        pad.positions[b:] = 0
-        pad.slots[b:] = self.scratch_block * bs
-        pad.context_lens[b:] = 1
-        pad.block_tables[b:, 0] = self.scratch_block
-        return self._call(pad)[:b]
+        for i, (table, p) in enumerate(zip(block_tables, positions, strict=True)):
+            host.slots[i] = table[p // bs] * bs + p % bs
+            host.block_tables[i, : len(table)] = table
+            host.block_tables[i, len(table) : width] = 0
+        host.ids[b:size] = 0
+        host.positions[b:size] = 0
+        host.slots[b:size] = self.scratch_block * bs
+        host.context_lens[b:size] = 1
+        host.block_tables[b:size, 0] = self.scratch_block
+        return self._call(self._heads[size])[:b]
 
     def _call(self, inputs: _Inputs) -> torch.Tensor:
         """The compiled forward: a stored graph over the block tables' full width, or the
         traced one over block tables cut to the longest context (at least 2 blocks: dynamo
         specializes a dimension of size 1, which would compile a second graph)."""
-        stored = self._stored.get(len(inputs.ids))
+        size = len(inputs.ids)
+        stored = self._stored.get(size)
         if stored is not None:
+            if inputs is self._heads.get(size):
+                return stored(self.model, *self._stored_arguments[size])
             return stored(self.model, *self._arguments(inputs, inputs.block_tables))
         blocks = max(2, -(-int(inputs.context_lens.max()) // self.block_size))
         tables = inputs.block_tables[:, :blocks]
