@@ -123,12 +123,19 @@ def inductor_config(dtype: torch.dtype) -> contextlib.AbstractContextManager:
     Every dtype's graphs are generated without inductor's checks of each input's and each
     library call's sizes, strides and alignment, which it makes on every call of every step.
     A graph runs only on the inputs it was traced for, the model's own tensors and the step's
-    fixed buffers, which its guards check."""
+    fixed buffers, which its guards check.
+
+    fp32 graphs are driven by inductor's C++ wrapper rather than its Python one: a one-row
+    step is some forty kernels and library calls, and between them the Python wrapper's
+    allocations and calls kept the step's other OpenMP thread waiting, a share of every step
+    (`loadtests/profile_decode.py`). The C++ wrapper calls the ops through the dispatcher and
+    releases the GIL for the whole step itself. Half-precision graphs keep the Python wrapper:
+    this machine's CPUs compute them in fp32, so their C++-wrapped form was never run."""
     from torch._inductor import config  # imported in the compile thread, as dynamo is
 
     unchecked = {"size_asserts": False, "alignment_asserts": False}
     if dtype == torch.float32:
-        return config.patch(unchecked)
+        return config.patch(unchecked | {"cpp_wrapper": True})
     half = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
     return config.patch(unchecked | half)
 
@@ -141,7 +148,8 @@ def release_gil_in_kernels() -> None:
     decode step runs, the server's event loop cannot stream the previous step's tokens. The
     binding here parses the arguments first, then releases the GIL around the kernel, and
     takes it back on the way out, exceptions included (a kernel's bounds checks throw).
-    Process-wide; the generated source differs, so the compile cache keys do too."""
+    Process-wide; the generated source differs, so the compile cache keys do too. Graphs
+    under the C++ wrapper (fp32) need none of it: theirs releases the GIL for the whole step."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache as bindings
 
     bindings.extra_parse_arg = """
