@@ -88,14 +88,19 @@ def alternating(speed: Callable[[], float], beside: Callable[[], float]) -> tupl
     return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
+def process_tree(pid: int) -> list[psutil.Process]:
+    """`pid` and the processes below it, from the top."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
 @contextlib.contextmanager
 def stopped(pid: int) -> Iterator[None]:
     """The process and every process below it stopped (SIGSTOP), continued after. Stopped
     from the top, again until no new one appears: a stopped parent starts no child."""
-    root = psutil.Process(pid)
     done: list[psutil.Process] = []
     try:
-        while new := [p for p in [root, *root.children(recursive=True)] if p not in done]:
+        while new := [p for p in process_tree(pid) if p not in done]:
             for p in new:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.suspend()

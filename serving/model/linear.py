@@ -8,7 +8,7 @@ below memory speed, worst on AMD CPUs (`loadtests/bench_gemm.py`). One row, or w
 cannot be built (a warning says so), the projection is written as a broadcast product summed
 over the input dimension, which inductor fuses into one C++ loop that streams the weight
 once per row. Half-precision graphs are frozen and use inductor's own GEMM templates instead
-(`decode_graphs.inductor_config`).
+(`inductor_setup.inductor_config`).
 """
 
 import torch

@@ -114,7 +114,7 @@ def gathered_experts(
     as checkpoints store them, with no library call and no Python. Every token reads its own
     experts, so a step's cost grows with its tokens, yet it beats the grouped op's products at
     every graph size (`loadtests/bench_kernels.py`). In half precision it also spares
-    oneDNN's ~20 us a product (see `decode_graphs.inductor_config`)."""
+    oneDNN's ~20 us a product (see `inductor_setup.inductor_config`)."""
     h = (x[:, None, None, :].float() * gate_up[experts].float()).sum(-1)  # [T, k, 2I]
     a = silu_and_mul(h.to(x.dtype))
     o = (a[:, :, None, :].float() * down[experts].float()).sum(-1).to(x.dtype)  # [T, k, H]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 
-from loadtests.bench_startup import stopped
+from loadtests.bench_startup import process_tree, stopped
 from tests.serving.gateway.processes import settles, state
 
 
@@ -23,18 +23,18 @@ def test_a_server_and_its_descendants_stop_and_continue_together(tmp_path: Path)
     )
     server = subprocess.Popen([sys.executable, "-c", script])
 
-    def process_tree() -> list[int]:
-        return [server.pid, *(p.pid for p in psutil.Process(server.pid).children(recursive=True))]
+    def tree() -> list[int]:
+        return [p.pid for p in process_tree(server.pid)]
 
     try:
-        assert settles(lambda: pids.exists() and len(process_tree()) == 3)
-        tree = process_tree()
-        assert tree[0] == server.pid and int(pids.read_text()) in tree
+        assert settles(lambda: pids.exists() and len(tree()) == 3)
+        pids_below = tree()
+        assert pids_below[0] == server.pid and int(pids.read_text()) in pids_below
         with stopped(server.pid):
-            assert all(state(pid) == "T" for pid in tree)
-        assert settles(lambda: all(state(pid) != "T" for pid in tree))
+            assert all(state(pid) == "T" for pid in pids_below)
+        assert settles(lambda: all(state(pid) != "T" for pid in pids_below))
     finally:
-        for pid in reversed(process_tree()):
+        for p in reversed(process_tree(server.pid)):
             with contextlib.suppress(psutil.NoSuchProcess):
-                psutil.Process(pid).kill()
+                p.kill()
         server.wait()
