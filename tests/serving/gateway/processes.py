@@ -80,12 +80,13 @@ def start_gateway(
     directory: Path,
     ports: dict[str, int] | None = None,
     enforce_eager: bool = True,
+    max_model_len: int = 256,
 ) -> Gateway:
     """`tierserve serve` over two embedded tiers of `checkpoint`, ready; `ports` may fix
     the gateway's (`gateway`) and the tiers' ports (by tier), else they are free ones. Tiers
     run eagerly unless told otherwise: compiling in the background would slow other tests."""
     ports = ports or {}
-    tier = {"model": str(checkpoint), "max_model_len": 256, "kv_cache_memory_mib": 8}
+    tier = {"model": str(checkpoint), "max_model_len": max_model_len, "kv_cache_memory_mib": 8}
     tier["enforce_eager"] = enforce_eager
     port = ports.get("gateway") or free_port()
     config = {

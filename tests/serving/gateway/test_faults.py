@@ -50,7 +50,8 @@ class Stream(threading.Thread):
         self.received = b""
 
     def run(self) -> None:
-        body = {"model": self.model, "messages": USER, "max_tokens": 220, "stream": True}
+        # Long enough to be in flight at the kill however fast the compiled steps decode.
+        body = {"model": self.model, "messages": USER, "max_tokens": 960, "stream": True}
         body |= {"ignore_eos": True, "temperature": 0}
         with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=60) as r:
             for chunk in r.iter_raw():
@@ -79,7 +80,7 @@ def test_sigkill_of_a_tier_under_load(random_checkpoint: Path, tmp_path: Path):
     """In-flight streams on the killed tier end with an error event, new requests fall over
     to the other tier, the supervisor restarts it from its standby, and the full tier serves
     again once it is ready (its compiled decode steps loaded), no request lost meanwhile."""
-    gw = start_gateway(random_checkpoint, tmp_path, enforce_eager=False)
+    gw = start_gateway(random_checkpoint, tmp_path, enforce_eager=False, max_model_len=1024)
     try:
         while not (full := gw.health()["tiers"]["full"])["standby_ready"]:
             time.sleep(0.1)  # started once the tier is ready, ready once past its imports
