@@ -1,3 +1,4 @@
+import mmap
 import resource
 import sys
 
@@ -7,22 +8,27 @@ import torch
 from serving.model.host_memory import retain_freed_memory
 
 
-def churn() -> None:
+def churn() -> int:
     """Decode steps' temporaries: a few tensors of 8-13 MB, a little larger every step as
-    the contexts grow, each freed before the next step."""
+    the contexts grow, each freed before the next step. The pages they touch."""
+    touched = 0
     for i in range(20):
         tensors = [torch.ones((2 << 20) + i * (64 << 10)) for _ in range(3)]
+        touched += sum(t.nbytes for t in tensors) // mmap.PAGESIZE
         del tensors
+    return touched
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_freed_step_tensors_are_not_faulted_in_again():
-    """With glibc's defaults the second round faults every page in again; with the memory
-    retained, none but stragglers. Counted for this thread alone: a test worker's other
-    threads (a graph compiling in the background) fault pages of their own meanwhile."""
+    """With glibc's defaults the second round faults every page it touches in again; with
+    the memory retained, none but stragglers (a test worker's heap holds other tests'
+    blocks, so a tensor can land on fresh pages). Counted for this thread alone: a test
+    worker's other threads (a graph compiling in the background) fault pages of their own
+    meanwhile."""
     assert retain_freed_memory()
     churn()  # the heap grows once
     before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-    churn()
+    touched = churn()
     faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
-    assert faults < 1000, faults
+    assert faults < touched / 40, (faults, touched)  # glibc defaults: about touched / 15
