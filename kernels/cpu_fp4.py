@@ -19,7 +19,7 @@ from kernels.formats import FP4Tensor
 
 def _register_fakes() -> None:
     torch.library.register_fake("tierserve_fp4::linear")(
-        lambda x, format, packed, scales, row_scale: x.new_empty(x.shape[0], packed.shape[0])
+        lambda x, block, packed, scales, row_scale: x.new_empty(x.shape[0], packed.shape[0])
     )
     torch.library.register_fake("tierserve_fp4::moe")(lambda x, *args: torch.empty_like(x))
 
@@ -43,7 +43,7 @@ def _padded(x: torch.Tensor, w: FP4Tensor) -> torch.Tensor:
 
 def fp4_linear(x: torch.Tensor, w: FP4Tensor) -> torch.Tensor:
     """`x [..., K] @ W.t()` for an FP4 weight `W [N, K]`, in x's dtype."""
-    y = torch.ops.tierserve_fp4.linear(_padded(x, w), w.format, w.packed, w.scales, w.row_scale)
+    y = torch.ops.tierserve_fp4.linear(_padded(x, w), w.block_size, w.packed, w.scales, w.row_scale)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 
@@ -60,7 +60,7 @@ def fp4_moe(
         x.float().contiguous(),
         topk_weights.float().contiguous(),
         topk_ids.long().contiguous(),
-        gate_up.format,
+        gate_up.block_size,
         gate_up.packed,
         gate_up.scales,
         gate_up.row_scale,

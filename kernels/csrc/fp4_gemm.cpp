@@ -72,10 +72,15 @@ Format make_nvfp4() {
   return f;
 }
 
-const Format& format_of(const std::string& name) {
+// The block names the format: 32 for MXFP4, 16 for NVFP4. An int, not the format's name, so
+// the op's schema is one inductor's C++ wrapper calls through the stable ABI: a string argument
+// makes it box the call through the dispatcher, and the wrapper of every graph with FP4
+// weights then compiles ATen's dispatcher headers.
+const Format& format_of(int64_t block) {
   static const Format mxfp4 = make_mxfp4(), nvfp4 = make_nvfp4();
-  STD_TORCH_CHECK(name == "mxfp4" || name == "nvfp4", "format must be mxfp4 or nvfp4, not ", name);
-  return name == "mxfp4" ? mxfp4 : nvfp4;
+  STD_TORCH_CHECK(block == 32 || block == 16,
+                  "block must be 32 (MXFP4) or 16 (NVFP4), not ", block);
+  return block == 32 ? mxfp4 : nvfp4;
 }
 
 // Decodes kLanes codes (kLanes / 2 bytes) into a vector of weights, through a block's table.
@@ -212,9 +217,9 @@ Matrix matrix(const Format& f, const Tensor& packed, const Tensor& scales,
   return {packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<uint8_t>(), rs, N, K, &f};
 }
 
-Tensor linear(const Tensor& x, const std::string& format, const Tensor& packed,
+Tensor linear(const Tensor& x, int64_t block, const Tensor& packed,
                   const Tensor& scales, const std::optional<Tensor>& row_scale) {
-  const Format& f = format_of(format);
+  const Format& f = format_of(block);
   STD_TORCH_CHECK(packed.dim() == 2, "packed codes must be [N, K/2]");
   const Matrix m = matrix(f, packed, scales, row_scale, 1, "weight");
   if (f.block == 32) return tierserve::linear_product(x, blocked<32>(m));
@@ -222,11 +227,11 @@ Tensor linear(const Tensor& x, const std::string& format, const Tensor& packed,
 }
 
 Tensor moe(const Tensor& x, const Tensor& topk_weights, const Tensor& topk_ids,
-               const std::string& format, const Tensor& gate_up_packed,
+               int64_t block, const Tensor& gate_up_packed,
                const Tensor& gate_up_scales, const std::optional<Tensor>& gate_up_row_scale,
                const Tensor& down_packed, const Tensor& down_scales,
                const std::optional<Tensor>& down_row_scale) {
-  const Format& f = format_of(format);
+  const Format& f = format_of(block);
   STD_TORCH_CHECK(gate_up_packed.dim() == 3 && down_packed.dim() == 3,
                   "expert codes must be [E, N, K/2]");
   const int64_t E = gate_up_packed.size(0);
@@ -243,9 +248,9 @@ Tensor moe(const Tensor& x, const Tensor& topk_weights, const Tensor& topk_ids,
 
 STABLE_TORCH_LIBRARY(tierserve_fp4, m) {
   m.def(
-      "linear(Tensor x, str format, Tensor packed, Tensor scales, Tensor? row_scale) -> Tensor");
+      "linear(Tensor x, int block, Tensor packed, Tensor scales, Tensor? row_scale) -> Tensor");
   m.def(
-      "moe(Tensor x, Tensor topk_weights, Tensor topk_ids, str format, Tensor gate_up_packed, "
+      "moe(Tensor x, Tensor topk_weights, Tensor topk_ids, int block, Tensor gate_up_packed, "
       "Tensor gate_up_scales, Tensor? gate_up_row_scale, Tensor down_packed, Tensor down_scales, "
       "Tensor? down_row_scale) -> Tensor");
 }

@@ -103,7 +103,7 @@ def test_the_ops_refuse_what_they_cannot_read():
     x = torch.randn(3, 32)
     weights, ids = routing(3, 4, 2, seed=0)
     moe = torch.ops.tierserve_fp4.moe
-    args = ("nvfp4", gate_up.packed, gate_up.scales, gate_up.row_scale)
+    args = (16, gate_up.packed, gate_up.scales, gate_up.row_scale)
     rest = (down.packed, down.scales, down.row_scale)
     with pytest.raises(RuntimeError, match="expert 4 is not in the layer's 4"):
         moe(x, weights, torch.full_like(ids, 4), *args, *rest)
@@ -112,7 +112,7 @@ def test_the_ops_refuse_what_they_cannot_read():
             x,
             weights,
             ids,
-            "nvfp4",
+            16,
             gate_up.packed,
             gate_up.scales[..., :1].contiguous(),
             *args[3:],
@@ -122,13 +122,13 @@ def test_the_ops_refuse_what_they_cannot_read():
         moe(x, weights, ids, *args, gate_up.packed, gate_up.scales, gate_up.row_scale)
     with pytest.raises(RuntimeError, match="x has 48 columns"):
         moe(torch.randn(3, 48), weights, ids, *args, *rest)
-    with pytest.raises(RuntimeError, match="format must be mxfp4 or nvfp4"):
-        moe(x, weights, ids, "fp8", *args[1:], *rest)
+    with pytest.raises(RuntimeError, match=r"block must be 32 \(MXFP4\) or 16 \(NVFP4\), not 8"):
+        moe(x, weights, ids, 8, *args[1:], *rest)
     w = fp4("mxfp4", (8, 64), seed=8)
     with pytest.raises(RuntimeError, match="uint8"):
-        torch.ops.tierserve_fp4.linear(x, "mxfp4", w.packed.float(), w.scales, None)
+        torch.ops.tierserve_fp4.linear(x, 32, w.packed.float(), w.scales, None)
     with pytest.raises(RuntimeError, match="row scales"):
-        torch.ops.tierserve_fp4.linear(torch.randn(1, 64), "mxfp4", w.packed, w.scales, x)
+        torch.ops.tierserve_fp4.linear(torch.randn(1, 64), 32, w.packed, w.scales, x)
 
 
 def test_threads_split_the_rows_without_changing_a_bit():
