@@ -73,7 +73,12 @@ def init_distributed() -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
         os.environ.setdefault("LOCAL_RANK", "0")
     import deepspeed
+    import deepspeed.ops
 
+    # Its communication backend builds its shared-memory all-reduce on a CPU when it starts,
+    # compiling for most of a minute on a fresh machine; only DeepSpeed's tensor-parallel
+    # inference calls it, and training reduces through the process group (gloo).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
