@@ -4,7 +4,7 @@ On the common benchmark shape (a random-weight Qwen3-MoE of 43.5M parameters, 10
 greedy decoding, prompts of 64-256 tokens, 128 new tokens, 1/4/16 concurrent requests:
 transformers runs each group as one left-padded batch (its static batching), our engine as
 concurrent requests under continuous batching, eager and with compiled decode steps
-(`serving/model/decode_graphs.py`, compiled before timing), both in each `--dtypes` (fp32 and
+(`serving/model/graphs/decode.py`, compiled before timing), both in each `--dtypes` (fp32 and
 bf16 by default). Prints output tokens/s (all generated tokens over the group's wall time,
 prefill included) and mean time to first token, with ratios: ours against transformers in the
 same dtype, compiled against eager, and our bf16 against our fp32.

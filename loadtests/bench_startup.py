@@ -1,5 +1,5 @@
 """How long a tier takes to serve at full speed: `tierserve engine` from spawn to its first
-/health 200 (ready: its one-row decode step compiled, `serving/model/decode_graphs.py`), with
+/health 200 (ready: its one-row decode step compiled, `serving/model/graphs/decode.py`), with
 an empty compile cache (cold) and then the one that start left (warm); and whether ready
 means full speed: one stream's tokens/s on the first five requests after ready (their median),
 while the larger graphs still compile in a process of their own, against the median of five

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: `LLMEngine.step()` on the benchmark checkpoint under
 torch.profiler, decode steps only (the prompts are prefilled first), compiled
-(`serving/model/decode_graphs.py`, waited for) unless `--enforce-eager`.
+(`serving/model/graphs/decode.py`, waited for) unless `--enforce-eager`.
 
 Prints the mean step time and tokens/s at each concurrency, then the profiler's table of
 operators by self CPU time, so per-step overhead (small ops, Python between them) shows.

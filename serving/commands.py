@@ -143,7 +143,7 @@ def run_engine(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.standby:
         from serving.gateway.supervisor import STANDBY_READY
-        from serving.model.inductor_setup import import_compiler
+        from serving.model.graphs.inductor_setup import import_compiler
 
         import_compiler()
         # Stdin is a socket from the gateway, which reads this there; a pipe's read end refuses it.

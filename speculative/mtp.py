@@ -13,7 +13,7 @@ next catch-up overwrites them; where it accepts it, the chain's entry stays and 
 catch-up starts after it (the layer was trained on its own chained outputs, and acceptance
 did not drop), so after a verify step it runs on one or two positions, not on k + 1. On a
 CPU with compiled decode steps the layer and the head run in graphs of their own
-(`serving/model/mtp_graphs.py`).
+(`serving/model/graphs/mtp.py`).
 
 Steps without speculation (a busy engine) skip the catch-up to save its cost, and so does a
 sequence that has decoded `IDLE_STEPS_KEPT` steps in a row without drafts (its lookahead
@@ -27,8 +27,8 @@ only lower acceptance, never change outputs.
 import torch
 
 from serving.model.causal_lm import CausalLM
-from serving.model.decode_graphs import DecodeGraphs
-from serving.model.mtp_graphs import DraftRows, MTPDraftStep, MTPGraphs
+from serving.model.graphs.decode import DecodeGraphs
+from serving.model.graphs.mtp import DraftRows, MTPDraftStep, MTPGraphs
 from serving.model.paged import PagedModel
 from serving.model.spans import TokenSpan, graph_rows
 from speculative.draft_model import propose_tokens

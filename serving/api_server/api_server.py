@@ -24,7 +24,7 @@ from serving.api_server.serving_engine import APIError, OpenAIServing
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import GenerationConfigMode, sampling_defaults
-from serving.model.decode_graphs import Progress
+from serving.model.graphs.decode import Progress
 from serving.model.host_threads import build_off_thread
 from serving.model.tokenizer import Tokenizer
 

@@ -1,13 +1,14 @@
 """A server's decode graphs of more than one row, compiled in a process of their own.
 
 A served engine is ready once its one-row graph is in: one stream decodes at full speed
-(`serving/model/decode_graphs.py`). Its larger graphs take most of a cold start, and compiled
+(`serving/model/graphs/decode.py`). Its larger graphs take most of a cold start, and compiled
 in the serving process after that their tracing and code generation, which are Python, take
 turns with the engine's thread for the GIL: served steps ran several times slower meanwhile.
 Here a second process, at idle priority, builds the same engine from the same checkpoint and
-config, so its graphs have the keys the server looks up (`serving/model/precompiled.graph_key`),
-compiles them into the whole-graph store and exits; the server then loads them, each in a
-fraction of a second. It takes only the CPU the server leaves, and dies with the server.
+config, so its graphs have the keys the server looks up (`graph_key` in
+`serving/model/graphs/precompiled.py`), compiles them into the whole-graph store and exits;
+the server then loads them, each in a fraction of a second. It takes only the CPU the server
+leaves, and dies with the server.
 
 Idle priority is not enough while the server serves one stream: that stream already runs at
 full speed on the one-row graph, yet a compile busy on the other core slowed it (on the
@@ -61,7 +62,7 @@ def spawn(checkpoint: Path, config: EngineConfig) -> subprocess.Popen:
 
 class CompileApart:
     """A server engine's compile process: `start` starts it when the decode graphs ask
-    (`serving/model/decode_graphs.py`), and the engine holds it still while it serves a
+    (`serving/model/graphs/decode.py`), and the engine holds it still while it serves a
     lone stream (`hold`)."""
 
     def __init__(self, start: Callable[[], subprocess.Popen]) -> None:

@@ -22,8 +22,8 @@ class EngineConfig:
     dtype: str = "auto"  # what `from_checkpoint` loads the weights in (`serving/model/dtype.py`)
     kv_cache_dtype: str = "auto"  # auto: the model's dtype
     device: str = "auto"  # where `from_checkpoint` loads the model; the engine runs there
-    # vLLM's flag: no compiled decode steps on a CPU (`serving/model/decode_graphs.py`), no
-    # CUDA graphs on a GPU (`serving/model/cuda_graphs.py`). Eager here, so tests, training
+    # vLLM's flag: no compiled decode steps on a CPU (`serving/model/graphs/decode.py`), no
+    # CUDA graphs on a GPU (`serving/model/graphs/cuda_graphs.py`). Eager here, so tests, training
     # rollouts and scripts start at once; `tierserve engine` and `generate` and gateway tiers
     # capture unless given --enforce-eager, as vLLM does.
     enforce_eager: bool = True

@@ -20,13 +20,13 @@ from serving.engine.sequence import Sequence
 from serving.engine.state_slots import StateSlots
 from serving.engine.token_vocabulary import json_vocabulary
 from serving.engine.tool_constraint import OptionalToolCallConstraint, ToolCallConstraint
-from serving.model import cuda_graphs
 from serving.model.causal_lm import CausalLM
 from serving.model.config import ModelConfig
-from serving.model.decode_graphs import DecodeGraphs, Progress, graph_sizes
 from serving.model.device import kv_cache_budget, resolve_device
 from serving.model.dtype import resolve_kv_cache_dtype
 from serving.model.families import load_model
+from serving.model.graphs import cuda_graphs
+from serving.model.graphs.decode import DecodeGraphs, Progress, graph_sizes
 from serving.model.host_memory import retain_freed_memory
 from serving.model.host_threads import TorchThreads
 from serving.model.hybrid.model import HybridCausalLM

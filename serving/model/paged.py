@@ -16,12 +16,12 @@ import torch
 
 from kernels import ops
 from kernels.modules import FP4Linear, QuantizedWeight
-from serving.model import cuda_graphs
 from serving.model.attention import AttentionMetadata
 from serving.model.causal_lm import CausalLM, pack_for_inference
 from serving.model.config import ModelConfig
-from serving.model.cuda_graphs import CUDAGraphs
-from serving.model.decode_graphs import DecodeGraphs
+from serving.model.graphs import cuda_graphs
+from serving.model.graphs.cuda_graphs import CUDAGraphs
+from serving.model.graphs.decode import DecodeGraphs
 from serving.model.hybrid.config import HybridConfig
 from serving.model.spans import TokenSpan, prepare_spans
 

@@ -11,7 +11,7 @@ import pytest
 
 from serving.api_server.api_server import build_app
 from serving.engine.async_engine import AsyncEngine
-from serving.model.decode_graphs import Progress
+from serving.model.graphs.decode import Progress
 from serving.model.tokenizer import Tokenizer
 from tests.serving.api_server.tier_app import (
     MODEL,

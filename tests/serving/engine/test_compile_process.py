@@ -88,7 +88,7 @@ def test_a_compile_process_that_stores_nothing_leaves_steps_in_chunks(
         ),
     )
     graphs = engine.runner.paged.graphs
-    with caplog.at_level(logging.WARNING, logger="serving.model.decode_graphs"):
+    with caplog.at_level(logging.WARNING, logger="serving.model.graphs.decode"):
         graphs.wait()
     assert "no decode graph of 2 rows was stored (compile process exit status 3)" in caplog.text
     assert engine.warmup() == (1, 2, True, True)

@@ -19,8 +19,8 @@ import kernels.triton_gemm
 from kernels import ops
 from serving.cli import main
 from serving.engine.llm_engine import EngineConfig, LLMEngine
-from serving.model import cuda_graphs
 from serving.model.checkpoint import load_checkpoint
+from serving.model.graphs import cuda_graphs
 from serving.sampling.params import SamplingParams
 from tests.tiny_models import TINY_MOE, prompts, save_tiny_moe
 

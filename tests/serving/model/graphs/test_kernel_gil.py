@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from serving.model.inductor_setup import release_gil_in_kernels
+from serving.model.graphs.inductor_setup import release_gil_in_kernels
 
 
 def test_other_threads_run_while_a_kernel_does():

@@ -60,10 +60,10 @@ import numpy as np
 import torch
 
 from kernels import cpu_dense, ops
-from serving.model import precompiled
 from serving.model.attention import AttentionMetadata
 from serving.model.causal_lm import CausalLM
-from serving.model.inductor_setup import (
+from serving.model.graphs import precompiled
+from serving.model.graphs.inductor_setup import (
     compile_cache_dir,
     inductor_config,
     release_gil_in_kernels,

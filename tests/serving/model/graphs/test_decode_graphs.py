@@ -1,4 +1,4 @@
-"""Compiled decode steps (`serving/model/decode_graphs.py`): the same greedy tokens as eager
+"""Compiled decode steps (`serving/model/graphs/decode.py`): the same greedy tokens as eager
 steps, padding rows that leave every sequence's cache alone, the compile cache on disk, and
 whole graphs stored there that a restart loads without tracing (`precompiled.py`).
 
@@ -14,7 +14,7 @@ from kernels.modules import QuantizedWeight
 from serving.engine import llm_engine
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint, quantize_checkpoint, save_checkpoint
-from serving.model.decode_graphs import graph_sizes
+from serving.model.graphs.decode import graph_sizes
 from serving.model.spans import TokenSpan
 from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig

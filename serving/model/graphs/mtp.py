@@ -32,7 +32,7 @@ from torch import nn
 
 from serving.model.attention import AttentionMetadata
 from serving.model.causal_lm import CausalLM
-from serving.model.decode_graphs import DecodeGraphs
+from serving.model.graphs.decode import DecodeGraphs
 from serving.model.linear import linear
 
 

@@ -1,4 +1,4 @@
-"""How this process's inductor is set up for the decode graphs (`decode_graphs.py`): where
+"""How this process's inductor is set up for the decode graphs (`decode.py`): where
 its caches live on disk, its config while the graphs compile, the GIL its kernels release,
 and its import, which a standby engine does ahead of time."""
 
