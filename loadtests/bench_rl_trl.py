@@ -2,19 +2,19 @@
 hyper-parameters: both training-reward curves on one plot, and each side's wall time.
 
 Both sides train `--init` for `--steps` optimizer steps, each on `--tasks` prompts x `--group`
-sampled answers, with AdamW (betas 0.9 / 0.95, weight decay 0.1), a constant learning rate
-`--lr`, gradient clipping at 1, the clipped objective at 0.2 / 0.28 (clip-higher), token-level
+sampled answers, with AdamW (betas 0.9 / 0.95, weight decay 0.1), a constant learning rate `--lr`,
+gradient clipping at 1, the clipped objective at 0.2 / 0.28 (clip-higher), token-level
 normalisation (TRL's `dapo` loss), group-standardised advantages, the k3 KL term to the initial
 model at `--kl-coef` (TRL's `beta`), temperature 1 and at most `--max-tokens` new tokens. The
-prompts are the RL stage's own (`step_tasks` over one domain), given to TRL in the same order
-(its shuffling off); the reward is our verifier's verdict on the answer's text plus DAPO's
-overlong penalty on its length, on both sides; the curves are the verifier's part. Dynamic
-sampling is off on ours, as TRL has none: both normalise by every token of the step. An FP4
-checkpoint is widened to fp32 first (transformers cannot load per-expert FP4 into its fused
-experts); our stage widens it the same way when it loads it. transformers adds the MoE router's
-auxiliary loss to TRL's objective (coefficient 1e-3); our RL objective has none. Each side's
-wall time is its training loop alone (our stage's summed step times, TRL's `train()`), without
-loading, compiling or exporting.
+prompts are the RL stage's own (`step_tasks` over one domain; with `--prompts N`, a fixed set of N
+visited in epochs, as a dataset is), given to TRL in the same order (its shuffling off); the reward
+is our verifier's verdict on the answer's text plus DAPO's overlong penalty on its length, on both
+sides; the curves are the verifier's part. Dynamic sampling is off on ours, as TRL has none: both
+normalise by every token of the step. An FP4 checkpoint is widened to fp32 first (transformers
+cannot load per-expert FP4 into its fused experts); our stage widens it the same way when it loads
+it. transformers adds the MoE router's auxiliary loss to TRL's objective (coefficient 1e-3); our RL
+objective has none. Each side's wall time is its training loop alone (our stage's summed step
+times, TRL's `train()`), without loading, compiling or exporting.
 
     python -m loadtests.bench_rl_trl --init models/demo-highspeed --domain math --steps 20
 
@@ -65,6 +65,7 @@ def stage_config(args: argparse.Namespace, init: Path) -> RLStage:
             "kl_coef": args.kl_coef,
             "track_kl": False,
             "overlong_cache": OVERLONG_CACHE,
+            "prompts": args.prompts,
         },
     )
 
@@ -105,7 +106,8 @@ def run_ours(config: RLStage, out: Path) -> None:
     }
     for section in ("train", "rl"):
         for key, value in getattr(config, section).model_dump().items():
-            if key in ("optim", "eval_difficulties", "eval_every", "eval_n", "eval_max_tokens"):
+            skipped = ("optim", "eval_difficulties", "eval_every", "eval_n", "eval_max_tokens")
+            if key in skipped or value is None:  # TOML has no null: None is the default
                 continue
             sets[f"{section}.{key}"] = json.dumps(value)
     for key, value in config.train.optim.model_dump().items():
@@ -225,6 +227,9 @@ def main() -> None:
     ap.add_argument("--difficulties", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--tasks", type=int, default=8, help="prompts per step")
+    ap.add_argument(
+        "--prompts", type=int, help="a fixed set of this many prompts, in epochs (else fresh)"
+    )
     ap.add_argument("--group", type=int, default=8, help="answers sampled per prompt")
     ap.add_argument("--grad-accum", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=256)

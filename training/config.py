@@ -141,6 +141,10 @@ class RLConfig(BaseModel):
     track_kl: bool = True
     overlong_cache: int = Field(64, ge=1)  # the penalty ramps over the budget's last tokens
     dynamic_sampling: bool = True  # drop groups whose verdicts are all equal
+    # None: a fresh task at every draw; N: a dataset of N tasks (domains and difficulties from
+    # the data config's fixed mix), visited in a new seeded order each epoch, as TRL's trainer
+    # visits its dataset, so the training reward measures learning on the prompts it trains on
+    prompts: int | None = Field(None, ge=1)
     domain_weighting: Literal["progress", "fixed"] = "progress"
 
 

@@ -1,6 +1,6 @@
 """GRPO / DAPO pieces on fixed tensors: advantages, clip-higher, token-level sums, dynamic
-sampling (on the verdicts, not the overlong penalty), the overlong penalty, the k3 KL, and
-domain weights that follow progress."""
+sampling (on the verdicts, not the overlong penalty), the overlong penalty, the k3 KL,
+domain weights that follow progress, and the tasks a step draws."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from training.objectives.grpo import (
     policy_loss_sum,
     ratio_stats,
 )
-from training.stages.rl import episode_advantages
+from training.stages.rl import RLStage, episode_advantages, step_tasks
 from training.stages.rollouts import Rollout, Turn
 
 
@@ -124,3 +124,22 @@ def test_domain_weights_favour_learnable_domains_and_try_unmeasured_ones() -> No
     w = weights.weights()
     assert w["code"] > 2 * w["terminal"] and w["terminal"] > w["math"] > 0
     assert w["tools"] == pytest.approx(w["code"])  # not measured yet: weighs as the best
+
+
+def test_a_fixed_prompt_set_is_visited_once_an_epoch_and_fresh_draws_never_repeat() -> None:
+    data = {"mix": {"math": 0.5, "code": 0.5}, "difficulties": [1, 2], "seed": 700}
+    weights = {"math": 0.5, "code": 0.5}
+    fixed = RLStage(init="x", data=data, rl={"tasks_per_step": 4, "prompts": 8})
+
+    def epoch(start: int) -> list[tuple[str, int, int]]:
+        tasks = [t for s in (start, start + 1) for t in step_tasks(fixed, s, 0, 1, weights)]
+        return [(t.domain, t.seed, t.difficulty) for t in tasks]
+
+    first, second = epoch(0), epoch(2)
+    assert len(set(first)) == 8 and set(first) == set(second)  # the same 8 tasks each epoch
+    assert first != second  # in a new order
+    assert {d for d, _, _ in first} == {"math", "code"}
+    assert epoch(0) == first  # a resumed run draws them again
+    fresh = RLStage(init="x", data=data, rl={"tasks_per_step": 4})
+    seeds = [t.seed for s in range(4) for t in step_tasks(fresh, s, 0, 1, weights)]
+    assert len(set(seeds)) == 16

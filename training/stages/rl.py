@@ -4,7 +4,8 @@ through our engine, and takes one optimizer step on the GRPO / DAPO objective
 
 Tasks come from the training seed range, their domains drawn by `DomainWeights` (learning
 progress, or the fixed mix as a baseline) and their difficulties from the data config, all
-from a generator seeded by (seed, step, rank): with the rollouts' own seeded sampling, a
+from a generator seeded by (seed, step, rank); or, with `rl.prompts`, from a fixed set of
+that many tasks visited in epochs, as a dataset is. With the rollouts' own seeded sampling, a
 resumed run repeats exactly what the uninterrupted one did. The domain weights' state is
 checkpointed with the model. Each answer turn becomes one training row (prompt, completion,
 the sampling log-probabilities, its episode's advantage); the rows of a step are split over
@@ -24,8 +25,8 @@ from serving.model.checkpoint import load_checkpoint
 from serving.model.tokenizer import Tokenizer
 from tasks import DOMAINS, Task
 from tasks.seeds import train_seed
-from training.config import FromCheckpoint, RLConfig
-from training.data.datasets import IGNORE, Batch, completion_batch
+from training.config import DataConfig, FromCheckpoint, RLConfig
+from training.data.datasets import IGNORE, Batch, SampleOrder, completion_batch
 from training.objectives.grpo import (
     DomainWeights,
     group_advantages,
@@ -105,15 +106,27 @@ def step_tasks(
     step, rank), so a resumed run (or another trainer given the same prompts) plays them
     again."""
     rl, data = config.rl, config.data
+    first = (step * world + rank) * rl.tasks_per_step
+    if rl.prompts is not None:  # the k-th draw of a seeded order over a fixed set of tasks
+        order = SampleOrder(rl.prompts, config.train.seed)
+        return [prompt_task(data, order[first + i]) for i in range(rl.tasks_per_step)]
     rng = random.Random(f"rl:{config.train.seed}:{step}:{rank}")
     names = list(weights)
-    base = data.seed + (step * world + rank) * rl.tasks_per_step
     return [
         DOMAINS[rng.choices(names, [weights[n] for n in names])[0]].generate(
-            train_seed(base + i), rng.choice(data.difficulties)
+            train_seed(data.seed + first + i), rng.choice(data.difficulties)
         )
         for i in range(rl.tasks_per_step)
     ]
+
+
+def prompt_task(data: DataConfig, index: int) -> Task:
+    """Task `index` of a fixed RL prompt set: its domain drawn by the data config's mix and
+    its difficulty from its list, both by the index alone."""
+    rng = random.Random(f"rl-prompt:{data.seed}:{index}")
+    names = list(data.mix)
+    domain = rng.choices(names, [data.mix[n] for n in names])[0]
+    return DOMAINS[domain].generate(train_seed(data.seed + index), rng.choice(data.difficulties))
 
 
 def episode_advantages(group: list[Rollout], rl: RLConfig) -> list[float] | None:
