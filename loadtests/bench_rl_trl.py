@@ -259,9 +259,16 @@ def main() -> None:
     for step, (a, b) in enumerate(zip(ours, trl, strict=False), start=1):
         print(f"| {step} | {a:.3f} | {b:.3f} |")
     third = max(1, len(ours) // 3)
+    # With a fixed prompt set, an epoch's steps play every prompt once: their mean reward is
+    # free of which prompts a step happened to draw.
+    epoch = args.prompts // args.tasks if args.prompts and args.prompts % args.tasks == 0 else 0
     for name, rewards, wall in (("ours", ours, ours_s), ("TRL", trl, trl_s)):
         first, last = sum(rewards[:third]) / third, sum(rewards[-third:]) / third
         print(f"{name}: first third {first:.3f}, last third {last:.3f}, wall {wall:.0f} s")
+        if epoch:
+            full = range(0, len(rewards) - epoch + 1, epoch)  # whole epochs only
+            means = [sum(rewards[i : i + epoch]) / epoch for i in full]
+            print(f"  by epoch of {args.prompts} prompts: " + " ".join(f"{m:.3f}" for m in means))
     print(f"wall time, TRL / ours: {trl_s / ours_s:.2f}x; plot: {args.out / 'rewards.png'}")
 
 
