@@ -108,25 +108,25 @@ def step_tasks(
     rl, data = config.rl, config.data
     first = (step * world + rank) * rl.tasks_per_step
     if rl.prompts is not None:  # the k-th draw of a seeded order over a fixed set of tasks
+        # Task j of the set: domain by the data config's mix, drawn by j alone.
         order = SampleOrder(rl.prompts, config.train.seed)
-        return [prompt_task(data, order[first + i]) for i in range(rl.tasks_per_step)]
+        indices = [order[first + i] for i in range(rl.tasks_per_step)]
+        return [
+            _draw_task(random.Random(f"rl-prompt:{data.seed}:{j}"), data.mix, data, j)
+            for j in indices
+        ]
     rng = random.Random(f"rl:{config.train.seed}:{step}:{rank}")
+    return [_draw_task(rng, weights, data, first + i) for i in range(rl.tasks_per_step)]
+
+
+def _draw_task(
+    rng: random.Random, weights: dict[str, float], data: DataConfig, offset: int
+) -> Task:
+    """Training task `data.seed + offset`, its domain drawn by `weights` and its difficulty
+    from the data config's list."""
     names = list(weights)
-    return [
-        DOMAINS[rng.choices(names, [weights[n] for n in names])[0]].generate(
-            train_seed(data.seed + first + i), rng.choice(data.difficulties)
-        )
-        for i in range(rl.tasks_per_step)
-    ]
-
-
-def prompt_task(data: DataConfig, index: int) -> Task:
-    """Task `index` of a fixed RL prompt set: its domain drawn by the data config's mix and
-    its difficulty from its list, both by the index alone."""
-    rng = random.Random(f"rl-prompt:{data.seed}:{index}")
-    names = list(data.mix)
-    domain = rng.choices(names, [data.mix[n] for n in names])[0]
-    return DOMAINS[domain].generate(train_seed(data.seed + index), rng.choice(data.difficulties))
+    domain = rng.choices(names, [weights[n] for n in names])[0]
+    return DOMAINS[domain].generate(train_seed(data.seed + offset), rng.choice(data.difficulties))
 
 
 def episode_advantages(group: list[Rollout], rl: RLConfig) -> list[float] | None:
