@@ -22,18 +22,25 @@ times, TRL's `train()`), without loading, compiling or exporting.
 found them, say), its first `--steps` steps, instead of training it again; its settings are
 checked against these.
 
-Writes `OUT/rewards.png`, `OUT/ours/` (the stage's run) and `OUT/trl/`, and prints a table of
-the reward per step with each side's wall time.
+Writes `OUT/rewards.png`, `OUT/ours/` (the stage's run) and `OUT/trl/` (TRL's trained model in
+`OUT/trl/model`, in our layout, for `tierserve eval tasks`), and prints a table of the reward per
+step with each side's wall time.
 """
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from serving.model.checkpoint import load_checkpoint, save_checkpoint
+from serving.model.checkpoint import (
+    load_checkpoint,
+    read_safetensors,
+    save_checkpoint,
+    write_safetensors,
+)
 from tasks import DOMAINS
 from tasks.base import play
 from training.objectives.grpo import overlong_penalty
@@ -198,6 +205,13 @@ def run_trl(config: RLStage, model_dir: Path, out: Path) -> tuple[list[float], f
     start = time.monotonic()
     trainer.train()
     wall = time.monotonic() - start
+    # The trained weights over the start's files (transformers drops the MTP head, which GRPO
+    # does not train), so the held-out eval reads TRL's model as it reads ours.
+    trainer.model.save_pretrained(out / "hf")
+    trained = read_safetensors(out / "hf")
+    shutil.copytree(model_dir, out / "model", dirs_exist_ok=True)
+    tensors = read_safetensors(model_dir)
+    write_safetensors(out / "model", {k: trained.get(k, v) for k, v in tensors.items()})
     # The verifier's part, as our stage logs `reward/DOMAIN` (its penalty apart).
     key = "rewards/verifier/mean"
     return [row[key] for row in trainer.state.log_history if key in row], wall

@@ -1,6 +1,6 @@
 """GRPO / DAPO pieces on fixed tensors: advantages, clip-higher, token-level sums, dynamic
 sampling (on the verdicts, not the overlong penalty), the overlong penalty, the k3 KL,
-domain weights that follow progress, and the tasks a step draws."""
+domain weights that follow progress, the tasks a step draws, and how a step's rows split."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from training.objectives.grpo import (
     policy_loss_sum,
     ratio_stats,
 )
-from training.stages.rl import RLStage, episode_advantages, step_tasks
+from training.stages.rl import RLStage, episode_advantages, micro_batch_rows, step_tasks
 from training.stages.rollouts import Rollout, Turn
 
 
@@ -143,3 +143,13 @@ def test_a_fixed_prompt_set_is_visited_once_an_epoch_and_fresh_draws_never_repea
     fresh = RLStage(init="x", data=data, rl={"tasks_per_step": 4})
     seeds = [t.seed for s in range(4) for t in step_tasks(fresh, s, 0, 1, weights)]
     assert len(set(seeds)) == 16
+
+
+def test_micro_batches_hold_rows_of_like_length_and_every_row_once() -> None:
+    lengths = [3, 90, 5, 88, 4, 91, 6, 87]  # completion lengths, short and long interleaved
+    rows = [([1, 2], [7] * n, [-0.5] * n, float(i)) for i, n in enumerate(lengths)]
+    parts = micro_batch_rows(rows, 2, pad_id=0)
+    assert [sorted(len(r[1]) for r in part) for part in parts] == [[3, 4, 5, 6], [87, 88, 90, 91]]
+    assert sorted(r[3] for part in parts for r in part) == [float(i) for i in range(8)]
+    padding = micro_batch_rows(rows[:1], 3, pad_id=0)
+    assert len(padding) == 3 and padding[1] == padding[2] == [([0, 0], [], [], 0.0)]

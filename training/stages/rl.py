@@ -9,7 +9,7 @@ that many tasks visited in epochs, as a dataset is. With the rollouts' own seede
 resumed run repeats exactly what the uninterrupted one did. The domain weights' state is
 checkpointed with the model. Each answer turn becomes one training row (prompt, completion,
 the sampling log-probabilities, its episode's advantage); the rows of a step are split over
-the `grad_accum` micro-batches, and the trainer divides the summed token losses by the
+the `grad_accum` micro-batches by length, and the trainer divides the summed token losses by the
 step's completion tokens (DAPO's token-level loss).
 """
 
@@ -173,6 +173,16 @@ def collate(rows: list[Row], pad_id: int) -> tuple[Batch, torch.Tensor, torch.Te
     return batch, old, torch.tensor([row[3] for row in rows])
 
 
+def micro_batch_rows(rows: list[Row], n: int, pad_id: int) -> list[list[Row]]:
+    """Exactly `n` micro-batches (DeepSpeed steps at that boundary); one without rows is a
+    padding token with no label, a zero loss. Rows of like length go together, so a
+    micro-batch pads little: answers run from a few tokens to `max_tokens`, and the step's
+    loss is a sum over all its rows whatever the split."""
+    rows = sorted(rows, key=lambda row: len(row[0]) + len(row[1]))
+    size = max(1, -(-len(rows) // n))
+    return [rows[m * size : (m + 1) * size] or [([pad_id] * 2, [], [], 0.0)] for m in range(n)]
+
+
 class RLTrainer(Trainer):
     def __init__(
         self,
@@ -249,14 +259,8 @@ class RLTrainer(Trainer):
         return self._split(rows)
 
     def _split(self, rows: list[Row]) -> list[Batch]:
-        """Exactly `grad_accum` micro-batches (DeepSpeed steps at that boundary); a
-        micro-batch without rows is one padding token with no label, a zero loss."""
-        n = self.cfg.grad_accum
-        size = max(1, -(-len(rows) // n))
         out = []
-        for m in range(n):
-            # No rows: one padding position with no label.
-            part = rows[m * size : (m + 1) * size] or [([self.pad_id] * 2, [], [], 0.0)]
+        for part in micro_batch_rows(rows, self.cfg.grad_accum, self.pad_id):
             batch, old, adv = collate(part, self.pad_id)
             ref = None
             if self.reference is not None:
