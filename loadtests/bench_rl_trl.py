@@ -101,10 +101,17 @@ def same_settings(config: RLStage, out: Path) -> None:
         raise SystemExit(f"{out}: trained with other settings ({', '.join(sorted(differ))})")
 
 
+def toml_value(value: object) -> str:
+    """A `--set` value: JSON is TOML but for tables, written inline here."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
+
+
 def run_ours(config: RLStage, out: Path) -> None:
     """The stage through its command, as a user runs it."""
     sets = {
-        "data.mix": json.dumps(config.data.mix).replace(":", "="),
+        "data.mix": toml_value(config.data.mix),
         "data.difficulties": json.dumps(config.data.difficulties),
         "data.seed": str(config.data.seed),
         "train.eval_every": "0",
@@ -116,7 +123,7 @@ def run_ours(config: RLStage, out: Path) -> None:
             skipped = ("optim", "eval_difficulties", "eval_every", "eval_n", "eval_max_tokens")
             if key in skipped or value is None:  # TOML has no null: None is the default
                 continue
-            sets[f"{section}.{key}"] = json.dumps(value)
+            sets[f"{section}.{key}"] = toml_value(value)
     for key, value in config.train.optim.model_dump().items():
         sets[f"train.optim.{key}"] = json.dumps(value)
     sets["style"] = json.dumps(config.style)

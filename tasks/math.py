@@ -274,6 +274,20 @@ def score(task: Task, completion: str) -> Verdict:
     return Verdict(1.0, "correct")
 
 
+def chain_coverage(task: Task, completion: str) -> float:
+    """The share of the worked result lines ("a op b = r", one an operation, innermost
+    first) that the completion writes in order: a complete chain of reasoning, which the
+    verifier's final-answer check cannot see (a right guess, or a chain that stops early and
+    jumps to a number)."""
+    results = [line for line in _trace(task.data["tree"]) if line[:1] not in (" ", "L")]
+    found, at = 0, 0
+    for line in results:
+        index = completion.find(line, at)
+        if index >= 0:
+            found, at = found + 1, index + len(line)
+    return found / len(results)
+
+
 class MathEpisode(SingleAnswerEpisode):
     def score(self, completion: str) -> Verdict:
         return score(self.task, completion)

@@ -79,6 +79,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
         ("draft", "a small dense drafter distilled from a target model (--style of its turns)"),
         ("mtp", 'the --init model\'s MTP head alone, on its own outputs (draft_data="target")'),
         ("dpo", "DPO on multi-objective pairs from the --init model's own samples"),
+        ("reward-model", "a reward head per objective on the --init model's ranked answers"),
         ("rl", "GRPO with DAPO's refinements on the verifiers' rewards (--init: the policy)"),
     ):
         p = stages.add_parser(stage, help=help_text)

@@ -124,6 +124,27 @@ class DPOConfig(BaseModel):
     eval_tasks: int = Field(16, ge=1)  # held-out tasks for the before/after win rates
 
 
+# Each objective's weight in a merged reward: correctness first, the others shaping.
+MERGE_WEIGHTS = {"correctness": 1.0, "chain": 0.3, "maintainability": 0.3, "steps": 0.3}
+
+
+class RewardModelConfig(BaseModel):
+    """Reward models per objective (training/objectives/reward_model.py), on pairs of the
+    `init` model's own answers ranked by each objective's judge."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    samples: int = Field(8, ge=2)  # answers sampled per task
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    max_turns: int = Field(8, ge=1)  # terminal and tool episodes run their turns
+    pairs_per_task: int = Field(4, ge=1)  # per objective: (better, worse) answers drawn
+    margin: float = Field(0.05, ge=0)  # the least score gap that makes a pair
+    # the merged reward: each objective's weight (the judges' weighted sum ranks its pairs)
+    weights: dict[str, float] = MERGE_WEIGHTS
+    eval_tasks: int = Field(64, ge=1)  # held-out tasks whose pairs measure each head
+
+
 class RLConfig(BaseModel):
     """GRPO with DAPO's refinements (training/objectives/grpo.py)."""
 
@@ -146,6 +167,11 @@ class RLConfig(BaseModel):
     # visits its dataset, so the training reward measures learning on the prompts it trains on
     prompts: int | None = Field(None, ge=1)
     domain_weighting: Literal["progress", "fixed"] = "progress"
+    # A reward model (`tierserve train reward-model`'s OUT/model): each episode's merged
+    # reward, standardised within its group and times `reward_model_coef`, joins its verdict
+    reward_model: str | None = None
+    reward_model_coef: float = Field(0.25, ge=0)
+    reward_model_weights: dict[str, float] = MERGE_WEIGHTS
 
 
 class CurriculumConfig(BaseModel):

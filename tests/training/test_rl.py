@@ -62,6 +62,24 @@ def test_dynamic_sampling_ignores_overlong_penalties_among_equal_verdicts() -> N
     assert mixed is not None and mixed[3] > mixed[0] > 0 > mixed[1] == mixed[2]
 
 
+def test_a_learned_reward_adds_its_own_standardised_share() -> None:
+    rl = RLConfig(dynamic_sampling=False)
+    tied = episodes([0.0] * 4, [50] * 4)
+    ranked = episode_advantages(tied, rl, [0.3, -1.0, 2.0, 0.1])
+    # Where the verdicts tie, the learned reward ranks the answers at its coefficient's size.
+    assert ranked is not None and ranked[2] > ranked[0] > ranked[3] > ranked[1]
+    assert max(abs(a) for a in ranked) < 2 * rl.reward_model_coef
+    verdicts = episodes([1.0, 0.0, 1.0, 0.0], [50] * 4)
+    shaped = episode_advantages(verdicts, rl, [0.0, 1.0, 2.0, 0.0])
+    plain = episode_advantages(verdicts, rl)
+    assert shaped is not None and plain is not None
+    assert shaped[2] > shaped[0] > 0 > shaped[1] > shaped[3]
+    assert all(abs(a - b) < 2 * rl.reward_model_coef for a, b in zip(shaped, plain, strict=True))
+    off = rl.model_copy(update={"reward_model_coef": 0.0})
+    assert episode_advantages(verdicts, off, [0.0, 1.0, 2.0, 0.0]) == plain
+    assert episode_advantages(tied, RLConfig(), [0.3, -1.0, 2.0, 0.1]) is None  # dropped
+
+
 def test_clip_higher_is_asymmetric_and_the_loss_is_a_token_sum() -> None:
     old = torch.zeros(2, 3)
     # ratios 1.5 (positive advantage: clipped at 1.28), 0.5 (negative: clipped at 0.8).

@@ -1,7 +1,7 @@
 """The RL stage end to end on a toy verifiable task: the reward rises, per-domain curves are
 logged, a run killed with SIGKILL resumes to exactly the curves of an uninterrupted one
-(same rollouts, rewards, losses and gradient norms), and the MTP head the objective does not
-train leaves as it came."""
+(same rollouts, rewards, losses and gradient norms), the MTP head the objective does not
+train leaves as it came, and a reward model's rewards join the verdicts."""
 
 import json
 import os
@@ -17,6 +17,7 @@ import torch
 from serving.model.checkpoint import load_checkpoint
 from tests import REPO
 from tests.training.toy_domain import RUN_WITH_TOY_DOMAIN as RUN
+from training.objectives.reward_model import RewardModel, save_reward_model
 from training.stages.init_checkpoint import DEFAULT_SHAPE, init_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -99,3 +100,16 @@ def test_the_mtp_head_leaves_as_it_came(tmp_path: Path) -> None:
         k for k in mtp if not exported_unchanged(k)
     ]
     assert not all(exported_unchanged(k) for k in start if k.startswith("layers."))
+
+
+def test_a_reward_model_joins_the_verdicts(random_checkpoint: Path, tmp_path: Path):
+    torch.manual_seed(0)
+    rm = RewardModel(load_checkpoint(random_checkpoint), ["correctness", "chain"])
+    save_reward_model(rm, tmp_path / "rm", random_checkpoint)
+    out = tmp_path / "rl"
+    command = rl_command(random_checkpoint, out, 2)
+    command += ["--set", f"rl.reward_model={json.dumps(str(tmp_path / 'rm'))}"]
+    subprocess.run(command, check=True, cwd=REPO)
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    # The toy domain is judged on correctness alone: its merged reward is that head's.
+    assert all(abs(row["learned/vowels"]) > 0 for row in log), log

@@ -45,7 +45,7 @@ from training.objectives.preference import (
     preference_pair,
 )
 from training.stages.policy import post_train, trainable_policy
-from training.stages.rollouts import Rollout, inference_copy, play
+from training.stages.rollouts import Rollout, inference_copy, mixed_tasks, play
 from training.stages.trainer import EvalFn, Trainer
 
 
@@ -91,16 +91,6 @@ def _sample(
     ]
 
 
-def _tasks(config: DPOStage, seeds: list[int]) -> list[Task]:
-    names = list(config.data.mix)
-    return [
-        DOMAINS[names[i % len(names)]].generate(
-            seed, config.data.difficulties[i % len(config.data.difficulties)]
-        )
-        for i, seed in enumerate(seeds)
-    ]
-
-
 def build_pairs(config: DPOStage, tokenizer: Tokenizer, path: Path) -> None:
     """Sample, score and pair; store each pair's token ids and the reference's
     log-probabilities of both answers."""
@@ -109,7 +99,12 @@ def build_pairs(config: DPOStage, tokenizer: Tokenizer, path: Path) -> None:
     engine = inference_copy(reference, tokenizer, EngineConfig(max_num_seqs=64))
     seeds = [train_seed(config.data.seed + i) for i in range(config.data.examples)]
     groups = _sample(
-        engine, _tasks(config, seeds), dpo.samples, dpo.max_tokens, config.train.seed, config.style
+        engine,
+        mixed_tasks(config.data, seeds),
+        dpo.samples,
+        dpo.max_tokens,
+        config.train.seed,
+        config.style,
     )
     lines = []
     for group in groups:
@@ -204,7 +199,7 @@ def win_rates(config: DPOStage, tokenizer: Tokenizer, before: CausalLM, after: C
     default), and how often the trained model's answer beats the starting model's (ties
     count half)."""
     dpo = config.dpo
-    tasks = _tasks(config, [eval_seed(0, i) for i in range(dpo.eval_tasks)])
+    tasks = mixed_tasks(config.data, [eval_seed(0, i) for i in range(dpo.eval_tasks)])
     scored = []
     for model in (before, after):
         engine = inference_copy(model, tokenizer, EngineConfig(max_num_seqs=64))

@@ -10,7 +10,8 @@ resumed run repeats exactly what the uninterrupted one did. The domain weights' 
 checkpointed with the model. Each answer turn becomes one training row (prompt, completion,
 the sampling log-probabilities, its episode's advantage); the rows of a step are split over
 the `grad_accum` micro-batches by length, and the trainer divides the summed token losses by the
-step's completion tokens (DAPO's token-level loss).
+step's completion tokens (DAPO's token-level loss). With `rl.reward_model`, a learned
+reward per objective (training/stages/reward_model.py), merged, joins each verdict.
 """
 
 import random
@@ -37,7 +38,9 @@ from training.objectives.grpo import (
     ratio_stats,
 )
 from training.objectives.losses import LossParts, token_losses
+from training.objectives.reward_model import load_reward_model
 from training.stages.policy import post_train, trainable_policy
+from training.stages.reward_model import merged_rewards
 from training.stages.rollouts import Rollout, inference_copy, play
 from training.stages.trainer import EvalFn, Trainer
 
@@ -129,12 +132,21 @@ def _draw_task(
     return DOMAINS[domain].generate(train_seed(data.seed + offset), rng.choice(data.difficulties))
 
 
-def episode_advantages(group: list[Rollout], rl: RLConfig) -> list[float] | None:
+def episode_advantages(
+    group: list[Rollout], rl: RLConfig, learned: list[float] | None = None
+) -> list[float] | None:
     """Each episode's advantage: its verdict plus the overlong penalty on its longest turn,
     standardised within the group; None when dynamic sampling drops the group. DAPO drops a
     group on its verdicts alone: among answers that all failed (or all passed), the
     standardised penalty would otherwise become a full-size signal to be short, whatever
-    that costs the answers."""
+    that costs the answers.
+
+    With a reward model, its `learned` rewards, standardised within the group apart, add
+    `reward_model_coef` times theirs. Apart, so that the coefficient is the learned reward's
+    share of the signal in every group: folded into the rewards before standardising, it
+    would become a full-size signal wherever the verdicts tie, from a model that ranks
+    held-out pairs far from perfectly, and the policy would learn to please it instead of
+    the verifier (docs/training.md measures both)."""
     if rl.dynamic_sampling and not informative([r.reward for r in group]):
         return None
     rewards = [
@@ -146,7 +158,10 @@ def episode_advantages(group: list[Rollout], rl: RLConfig) -> list[float] | None
         )
         for r in group
     ]
-    return group_advantages(torch.tensor([rewards]))[0].tolist()
+    advantages = group_advantages(torch.tensor([rewards]))[0]
+    if learned is not None:
+        advantages += rl.reward_model_coef * group_advantages(torch.tensor([learned]))[0]
+    return advantages.tolist()
 
 
 # One answer turn: prompt ids, completion ids, the completion's sampling log-probabilities,
@@ -201,6 +216,9 @@ class RLTrainer(Trainer):
             dict(config.data.mix), fixed=config.rl.domain_weighting == "fixed"
         )
         self.step_stats: dict[str, float] = {}
+        self.learned_stats: dict[str, float] = {}
+        rm = config.rl.reward_model
+        self.reward_model = load_reward_model(Path(rm)) if rm else None
         model = trainable_policy(config.init)
         super().__init__(model, config.train, None, out_dir, rl_loss(config), evaluate, "rl")
 
@@ -224,11 +242,12 @@ class RLTrainer(Trainer):
             rl.max_turns, rl.temperature,
         )  # fmt: skip
         del engine
+        learned = self._learned_rewards(groups)
         rows: list[Row] = []
         stats: dict[str, list[float]] = {}
         kept = flat = 0
         advantages: list[float] = []
-        for group in groups:
+        for g, group in enumerate(groups):
             domain = group[0].task.domain
             for r in group:
                 stats.setdefault(f"reward/{domain}", []).append(r.reward)
@@ -240,7 +259,7 @@ class RLTrainer(Trainer):
                     -lp for t in r.turns for lp in t.logprobs
                 )
             flat += not informative([r.reward for r in group])
-            group_adv = episode_advantages(group, rl)
+            group_adv = episode_advantages(group, rl, learned[g] if learned else None)
             if group_adv is None:
                 continue
             kept += 1
@@ -251,12 +270,28 @@ class RLTrainer(Trainer):
             if key.startswith("success/"):
                 self.weights.update(key.split("/")[1], sum(values) / len(values))
         self.step_stats = {k: sum(v) / len(v) for k, v in stats.items() if v}
+        self.step_stats |= self.learned_stats
         self.step_stats |= {f"weight/{d}": w for d, w in self.weights.weights().items()}
         self.step_stats["groups_kept"] = kept / len(groups)
         # Groups whose verdicts were all alike: no signal of correctness, kept or not.
         self.step_stats["zero_variance_groups"] = flat / len(groups)
         self.step_stats["adv_std"] = float(torch.tensor(advantages or [0.0]).std(unbiased=False))
         return self._split(rows)
+
+    def _learned_rewards(self, groups: list[list[Rollout]]) -> list[list[float]] | None:
+        """The reward model's merged reward of each episode, by group (logged per domain)."""
+        if self.reward_model is None:
+            return None
+        flat = [r for group in groups for r in group]
+        scores = merged_rewards(
+            self.reward_model, flat, self.config.rl.reward_model_weights, self.pad_id
+        )
+        by_domain: dict[str, list[float]] = {}
+        for r, score in zip(flat, scores, strict=True):
+            by_domain.setdefault(r.task.domain, []).append(score)
+        self.learned_stats = {f"learned/{d}": sum(v) / len(v) for d, v in by_domain.items()}
+        size = len(groups[0])
+        return [scores[i : i + size] for i in range(0, len(scores), size)]
 
     def _split(self, rows: list[Row]) -> list[Batch]:
         out = []

@@ -20,7 +20,8 @@ from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine
 from serving.model.causal_lm import CausalLM
 from serving.model.tokenizer import Tokenizer
 from serving.sampling.params import SamplingParams
-from tasks import Domain, Episode, Task
+from tasks import DOMAINS, Domain, Episode, Task
+from training.config import DataConfig
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Rollout:
     turns: list[Turn] = field(default_factory=list)
     reward: float = 0.0
     reason: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)  # the verdict's (steps, passed...)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -54,6 +56,16 @@ def inference_copy(model: CausalLM, tokenizer: Tokenizer, config: EngineConfig) 
     copy = CausalLM(model.config)
     copy.load_state_dict({k: v.detach().float().clone() for k, v in model.state_dict().items()})
     return LLMEngine(copy.eval(), config, tokenizer)
+
+
+def mixed_tasks(data: DataConfig, seeds: list[int]) -> list[Task]:
+    """A task per seed, the mix's domains and the difficulties taken in turn: every domain
+    and level about equally often, however few the tasks."""
+    names = list(data.mix)
+    return [
+        DOMAINS[names[i % len(names)]].generate(seed, data.difficulties[i % len(data.difficulties)])
+        for i, seed in enumerate(seeds)
+    ]
 
 
 def _prompt(tokenizer: Tokenizer, episode: Episode) -> list[int]:
@@ -160,5 +172,6 @@ def _score(rollout: Rollout, episode: Episode) -> None:
     try:
         verdict = episode.verdict()
         rollout.reward, rollout.reason = verdict.reward, verdict.reason
+        rollout.metrics = verdict.metrics
     finally:
         episode.close()

@@ -18,10 +18,13 @@ from training.stages.dpo import DPOStage, dpo
 from training.stages.draft import DraftStage, draft
 from training.stages.mtp import MTPStage, train_mtp
 from training.stages.pretrain import PretrainStage, pretrain
+from training.stages.reward_model import RewardModelStage, reward_model
 from training.stages.rl import RLStage, rl
 from training.stages.sft import SFTStage, sft
 
-StageConfig = PretrainStage | SFTStage | DraftStage | MTPStage | DPOStage | RLStage
+StageConfig = (
+    PretrainStage | SFTStage | DraftStage | MTPStage | DPOStage | RewardModelStage | RLStage
+)
 
 STAGES: dict[type, Callable[[Any, Path], Path]] = {
     PretrainStage: pretrain,
@@ -29,6 +32,7 @@ STAGES: dict[type, Callable[[Any, Path], Path]] = {
     DraftStage: draft,
     MTPStage: train_mtp,
     DPOStage: dpo,
+    RewardModelStage: reward_model,
     RLStage: rl,
 }
 
