@@ -222,10 +222,10 @@ def merged_rewards(
 @torch.no_grad()
 def accuracy_table(model: RewardModel, path: Path, pad_id: int, weights: dict[str, float]) -> str:
     """Per objective and domain, the share of held-out pairs whose better answer gets the
-    higher reward (a head, or the merged reward for `merged`), beside the share a longer
-    answer wins: a reward that only counted tokens would score that."""
+    higher reward (a head, or the merged reward for `merged`), beside the shares a longer and
+    a shorter answer win: what a reward that only counted tokens would score."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    results: dict[tuple[str, str], list[tuple[bool, bool]]] = {}
+    results: dict[tuple[str, str], list[tuple[bool, bool, bool]]] = {}
     for start in range(0, len(rows), 16):
         part = rows[start : start + 16]
         rewards = model(
@@ -239,19 +239,20 @@ def accuracy_table(model: RewardModel, path: Path, pad_id: int, weights: dict[st
             else:
                 head = model.objectives.index(name)
                 chosen, rejected = rewards[k, head], rewards[other, head]
-            longer = len(row["chosen"]) > len(row["rejected"])
+            sizes = len(row["chosen"]), len(row["rejected"])
+            hit = (bool(chosen > rejected), sizes[0] > sizes[1], sizes[0] < sizes[1])
             for domain in (row["domain"], "all"):
-                results.setdefault((name, domain), []).append((bool(chosen > rejected), longer))
+                results.setdefault((name, domain), []).append(hit)
     lines = [
-        "| objective | domain | pairs | accuracy % | longer answer wins % |",
-        "|---|---|---|---|---|",
+        "| objective | domain | pairs | accuracy % | longer answer wins % | shorter wins % |",
+        "|---|---|---|---|---|---|",
     ]
     for name in [*OBJECTIVES, MERGED]:
         for domain in sorted({d for n, d in results if n == name}, key=lambda d: d == "all"):
             hits = results[(name, domain)]
-            right = 100 * sum(h for h, _ in hits) / len(hits)
-            longer = 100 * sum(g for _, g in hits) / len(hits)
-            lines.append(f"| {name} | {domain} | {len(hits)} | {right:.1f} | {longer:.1f} |")
+            shares = [100 * sum(column) / len(hits) for column in zip(*hits, strict=True)]
+            cells = " | ".join(f"{share:.1f}" for share in shares)
+            lines.append(f"| {name} | {domain} | {len(hits)} | {cells} |")
     return "\n".join(lines)
 
 
