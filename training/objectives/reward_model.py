@@ -39,10 +39,10 @@ class RewardModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
         """Each right-padded row's rewards [B, objectives], read at its last real token."""
-        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         hidden = self.model(input_ids, positions, padding_mask=padding_mask)
         last = padding_mask.long().cumsum(1).argmax(1)  # the first position of the final count
-        return self.score(hidden[torch.arange(len(hidden)), last]).float()
+        return self.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).float()
 
 
 def bradley_terry_losses(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:

@@ -202,12 +202,16 @@ def merged_rewards(
     model: RewardModel, rollouts: list[Rollout], weights: dict[str, float], pad_id: int
 ) -> list[float]:
     """Each episode's merged reward over its own domain's objectives (0 for an episode with
-    no turn)."""
+    no turn), on the device the model is on."""
+    device = next(model.parameters()).device
     out = []
     for start in range(0, len(rollouts), 16):
         part = rollouts[start : start + 16]
         played = [r for r in part if r.turns]
-        rewards = model(*padded([episode_ids(r) for r in played], pad_id)) if played else None
+        rewards = None
+        if played:
+            ids, mask = padded([episode_ids(r) for r in played], pad_id)
+            rewards = model(ids.to(device), mask.to(device)).cpu()
         k = 0
         for r in part:
             if not r.turns:
@@ -225,12 +229,12 @@ def accuracy_table(model: RewardModel, path: Path, pad_id: int, weights: dict[st
     higher reward (a head, or the merged reward for `merged`), beside the shares a longer and
     a shorter answer win: what a reward that only counted tokens would score."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
+    device = next(model.parameters()).device
     results: dict[tuple[str, str], list[tuple[bool, bool, bool]]] = {}
     for start in range(0, len(rows), 16):
         part = rows[start : start + 16]
-        rewards = model(
-            *padded([r["chosen"] for r in part] + [r["rejected"] for r in part], pad_id)
-        )
+        ids, mask = padded([r["chosen"] for r in part] + [r["rejected"] for r in part], pad_id)
+        rewards = model(ids.to(device), mask.to(device)).cpu()
         for k, row in enumerate(part):
             name, other = row["objective"], k + len(part)
             if name == MERGED:

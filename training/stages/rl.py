@@ -217,10 +217,10 @@ class RLTrainer(Trainer):
         )
         self.step_stats: dict[str, float] = {}
         self.learned_stats: dict[str, float] = {}
-        rm = config.rl.reward_model
-        self.reward_model = load_reward_model(Path(rm)) if rm else None
         model = trainable_policy(config.init)
         super().__init__(model, config.train, None, out_dir, rl_loss(config), evaluate, "rl")
+        rm = config.rl.reward_model
+        self.reward_model = load_reward_model(Path(rm)).to(self.device) if rm else None
 
     def state(self, step: int) -> dict[str, Any]:
         return super().state(step) | {"fast": self.weights.fast, "slow": self.weights.slow}
