@@ -4,13 +4,12 @@ widens the implicit reward margin on them, and the before/after win-rate table."
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests import REPO
-from tests.training.toy_domain import RUN_WITH_TOY_DOMAIN as RUN
+from tests.training.toy_domain import train_command
 
 pytestmark = pytest.mark.slow
 
@@ -36,11 +35,7 @@ def test_dpo_trains_on_its_own_pairs_and_reports_win_rates(
         "train.eval_n": "1",
         "train.eval_max_tokens": "16",
     }
-    command = [sys.executable, "-c", RUN, "train", "dpo"]
-    command += ["--init", str(random_checkpoint), "--out", str(out)]
-    for key, value in sets.items():
-        command += ["--set", f"{key}={value}"]
-    subprocess.run(command, check=True, cwd=REPO)
+    subprocess.run(train_command("dpo", random_checkpoint, out, sets), check=True, cwd=REPO)
     pairs = [json.loads(line) for line in (out / "data" / "pairs.jsonl").read_text().splitlines()]
     assert pairs and all(p["chosen"] != p["rejected"] for p in pairs)
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]

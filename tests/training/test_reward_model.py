@@ -4,7 +4,6 @@ its own answers, heads whose training accuracy rises, and the held-out accuracy 
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from serving.model.checkpoint import load_checkpoint
 from tasks import DOMAINS
 from tasks.math import chain_coverage
 from tests import REPO
-from tests.training.toy_domain import RUN_WITH_TOY_DOMAIN as RUN
+from tests.training.toy_domain import train_command
 from training.objectives.reward_model import (
     RewardModel,
     bradley_terry_losses,
@@ -90,11 +89,9 @@ def test_the_stage_learns_its_pairs_and_reports_held_out_accuracy(
         "train.optim.lr": "1e-3",
         "train.optim.warmup_steps": "0",
     }
-    command = [sys.executable, "-c", RUN, "train", "reward-model"]
-    command += ["--init", str(random_checkpoint), "--out", str(out)]
-    for key, value in sets.items():
-        command += ["--set", f"{key}={value}"]
-    subprocess.run(command, check=True, cwd=REPO)
+    subprocess.run(
+        train_command("reward-model", random_checkpoint, out, sets), check=True, cwd=REPO
+    )
     pairs = [json.loads(line) for line in (out / "data" / "pairs.jsonl").read_text().splitlines()]
     assert pairs and all(p["chosen"] != p["rejected"] for p in pairs)
     assert {p["objective"] for p in pairs} == {"correctness"}  # the toy domain's only judge

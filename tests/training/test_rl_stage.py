@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 
 from serving.model.checkpoint import load_checkpoint
 from tests import REPO
-from tests.training.toy_domain import RUN_WITH_TOY_DOMAIN as RUN
+from tests.training.toy_domain import train_command
 from training.objectives.reward_model import RewardModel, save_reward_model
 from training.stages.init_checkpoint import DEFAULT_SHAPE, init_checkpoint
 
@@ -41,10 +40,7 @@ def rl_command(init: Path, out: Path, steps: int) -> list[str]:
         "rl.max_tokens": "12",
         "rl.max_turns": "1",
     }
-    command = [sys.executable, "-c", RUN, "train", "rl", "--init", str(init), "--out", str(out)]
-    for key, value in sets.items():
-        command += ["--set", f"{key}={value}"]
-    return command
+    return train_command("rl", init, out, sets)
 
 
 def curves(out: Path) -> list[dict[str, float]]:

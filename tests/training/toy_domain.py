@@ -2,6 +2,9 @@
 that are vowels, so even a random model's samples differ in reward (every group carries a
 signal) and a policy that learns to prefer vowel-heavy tokens earns more."""
 
+import sys
+from pathlib import Path
+
 from tasks import DOMAINS, Domain, Episode, Task
 from tasks.base import Verdict
 
@@ -43,3 +46,12 @@ register()
 from serving.cli import main
 main(sys.argv[1:])
 """
+
+
+def train_command(stage: str, init: Path, out: Path, sets: dict[str, str]) -> list[str]:
+    """`tierserve train STAGE` with the toy domain registered, `init`, `out` and `--set`s."""
+    command = [sys.executable, "-c", RUN_WITH_TOY_DOMAIN, "train", stage]
+    command += ["--init", str(init), "--out", str(out)]
+    for key, value in sets.items():
+        command += ["--set", f"{key}={value}"]
+    return command
