@@ -43,7 +43,6 @@ namespace tierserve::attention {
 template <int G>
 constexpr int kUnroll = G >= 8 ? 1 : 8 / G;
 
-// scores[g * len + j] = scale * q_g . k_j for the tile's heads g and n rows k_j = k + j * stride.
 // f(i) for i = 0 .. N - 1, each i a compile-time constant: arrays of vectors indexed by them
 // stay in registers (indexed by a loop's counter, GCC kept them in memory, storing every sum
 // on every step).
@@ -54,11 +53,16 @@ inline void repeat(F&& f) {
   }(std::make_integer_sequence<int, N>{});
 }
 
+// scores[g * len + j] = scale * q_g . k_j for the tile's heads g and n rows k_j = k + j * stride.
+// Each row's lines in the next block (`next`, null for none) are fetched as the row is read.
 template <int G, typename cache_t>
 inline void dot_rows(float* scores, int64_t len, const float* q, const cache_t* k,
-                     int64_t stride, int64_t n, int64_t D, float scale) {
+                     int64_t stride, int64_t n, int64_t D, float scale, const cache_t* next) {
   constexpr int U = kUnroll<G>;
   for (int64_t j = 0; j < n; ++j, k += stride) {
+    if (next)
+      for (int64_t d = 0; d < D; d += 64 / sizeof(cache_t))
+        __builtin_prefetch(next + j * stride + d, 0, 2);
     Vec acc[G][U];
     repeat<G>([&](auto g) { repeat<U>([&](auto u) { acc[g][u] = broadcast(0.0f); }); });
     int64_t d = 0;
@@ -87,10 +91,11 @@ inline void dot_rows(float* scores, int64_t len, const float* q, const cache_t* 
 }
 
 // o_g += sum_j p[g * len + j] * v_j for the tile's heads g and n rows v_j = v + j * stride, in
-// row order.
+// row order. A pass over the rows reads U vectors of each; a pass that starts a cache line
+// fetches that line of each row in the next block (`next`, null for none).
 template <int G, typename cache_t>
 inline void add_weighted_rows(float* o, const float* p, int64_t len, const cache_t* v,
-                              int64_t stride, int64_t n, int64_t D) {
+                              int64_t stride, int64_t n, int64_t D, const cache_t* next) {
   constexpr int U = kUnroll<G>;
   int64_t d = 0;
   // U vectors of each head at a time, then the last few one at a time.
@@ -100,11 +105,14 @@ inline void add_weighted_rows(float* o, const float* p, int64_t len, const cache
       repeat<W>([&](auto u) { acc[g][u] = loadu(o + g * D + d + u * kLanes); });
     });
     const cache_t* row = v + d;
-    for (int64_t j = 0; j < n; ++j, row += stride)
+    const bool fetch = next && (d * sizeof(cache_t)) % 64 == 0;
+    for (int64_t j = 0; j < n; ++j, row += stride) {
+      if (fetch) __builtin_prefetch(next + j * stride + d, 0, 2);
       repeat<W>([&](auto u) {
         const Vec vv = widen(row + u * kLanes);
         repeat<G>([&](auto g) { acc[g][u] = fmadd(broadcast(p[g * len + j]), vv, acc[g][u]); });
       });
+    }
     repeat<G>([&](auto g) {
       repeat<W>([&](auto u) { storeu(o + g * D + d + u * kLanes, acc[g][u]); });
     });
@@ -118,16 +126,15 @@ inline void add_weighted_rows(float* o, const float* p, int64_t len, const cache
         o[g * D + d] += p[g * len + j] * static_cast<float>(v[j * stride + d]);
 }
 
-// f(h, tile) over a group's heads in tiles of 8, 4, 2 and 1, `tile` the tile's size as a
-// compile-time constant.
+// f(h, tile) over a group's heads in tiles of 4, 2 and 1, `tile` the tile's size as a
+// compile-time constant. Tiles of 8 heads (U = 1) read half a cache line of each value row a
+// pass and load 9 operands for 8 fused multiply-adds, against 6 for a tile of 4 (U = 2): with
+// tiles of 4, a group of 8 heads at 32k keys (Qwen3-Next's shape) ran faster, the
+// second tile reading the block from the L1 cache.
 template <typename F>
 inline void for_each_head_tile(int64_t group, F&& f) {
   int64_t h = 0;
-  for (; h + 8 <= group; h += 8) f(h, std::integral_constant<int, 8>{});
-  if (h + 4 <= group) {
-    f(h, std::integral_constant<int, 4>{});
-    h += 4;
-  }
+  for (; h + 4 <= group; h += 4) f(h, std::integral_constant<int, 4>{});
   if (h + 2 <= group) {
     f(h, std::integral_constant<int, 2>{});
     h += 2;
@@ -155,27 +162,22 @@ inline float exponentials(float* s, int64_t len, float top) {
 // f(t, rows, n) for each run of a sequence's first `len` tokens that lies in one cache block:
 // the run starts at token t, `rows` its n tokens' cached values of one kv head (`row_size`
 // apart: a token holds every kv head's), walked block by block through the sequence's block
-// table. `cache` starts at that kv head's values of a token; each token's `head_size` values
-// of it are what is read.
+// table. `cache` starts at that kv head's values of a token. f gets the next block's rows too
+// (`next`, null at the last block), to fetch them into the L2 cache while it reads these.
 //
-// While f reads a block, that kv head's values in the next one are fetched into the L2 cache.
 // The blocks lie anywhere in the cache, and hardware prefetchers stop at 4 KiB page boundaries,
-// so without this a long context's read waits on memory every few rows: at 380 keys (the
-// rollouts' 64 sequences) the op ran 1.4x faster with it. Into L1 instead (prefetcht0) it
-// measured no faster: the fetches then compete with the rows being read.
+// so without the fetches a long context's read waits on memory every few rows: at 380 keys
+// (the rollouts' 64 sequences) the op ran 1.4x faster with them. Into L1 instead (prefetcht0)
+// it measured no faster: the fetches then compete with the rows being read. Each line is
+// fetched as the same line of the block being read is: all of a block's fetches at its start
+// kept the CPU's queue of misses full, and those of a group of 8 heads at 32k keys ran slower.
 template <typename cache_t, typename F>
 inline void for_each_block(const cache_t* cache, const int64_t* table, int64_t len,
-                           int64_t block_size, int64_t row_size, int64_t head_size, F&& f) {
-  const int64_t head_bytes = head_size * sizeof(cache_t);
+                           int64_t block_size, int64_t row_size, F&& f) {
   for (int64_t start = 0, i = 0; start < len; start += block_size, ++i) {
-    if (start + block_size < len) {
-      const auto* next = cache + table[i + 1] * block_size * row_size;
-      for (int64_t r = 0; r < block_size; ++r) {
-        const auto* bytes = reinterpret_cast<const char*>(next + r * row_size);
-        for (int64_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(bytes + b, 0, 2);  // L2
-      }
-    }
-    f(start, cache + table[i] * block_size * row_size, std::min(block_size, len - start));
+    const cache_t* next =
+        start + block_size < len ? cache + table[i + 1] * block_size * row_size : nullptr;
+    f(start, cache + table[i] * block_size * row_size, std::min(block_size, len - start), next);
   }
 }
 
@@ -202,11 +204,12 @@ void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_c
       scores.resize(group * len);
       // A block's rows come from memory for the group's first head, from the L1 cache for
       // the others.
-      for_each_block(k_cache + kv * D, table, len, block_size, row, D,
-                     [&](int64_t t, auto keys, int64_t n) {
+      for_each_block(k_cache + kv * D, table, len, block_size, row,
+                     [&](int64_t t, auto keys, int64_t n, auto next) {
                        for_each_head_tile(group, [&](int64_t h, auto tile) {
                          dot_rows<decltype(tile)::value>(scores.data() + h * len + t, len,
-                                                         qb + h * D, keys, row, n, D, scale);
+                                                         qb + h * D, keys, row, n, D, scale,
+                                                         h == 0 ? next : nullptr);
                        });
                      });
       for (int64_t h = 0; h < group; ++h) {
@@ -220,11 +223,12 @@ void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_c
         }
       }
       std::fill_n(o, group * D, 0.0f);
-      for_each_block(v_cache + kv * D, table, len, block_size, row, D,
-                     [&](int64_t t, auto values, int64_t n) {
+      for_each_block(v_cache + kv * D, table, len, block_size, row,
+                     [&](int64_t t, auto values, int64_t n, auto next) {
                        for_each_head_tile(group, [&](int64_t h, auto tile) {
                          add_weighted_rows<decltype(tile)::value>(
-                             o + h * D, scores.data() + h * len + t, len, values, row, n, D);
+                             o + h * D, scores.data() + h * len + t, len, values, row, n, D,
+                             h == 0 ? next : nullptr);
                        });
                      });
       // The division by the exponentials' sum comes last, as SDPA's does.
