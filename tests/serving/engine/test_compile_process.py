@@ -128,8 +128,11 @@ def test_a_held_compile_process_ends_when_its_server_is_killed(tmp_path: Path):
     no stopped process is left behind."""
     held = tmp_path / "held"
     server = (
-        "import subprocess, time\n"
+        "import signal, subprocess, time\n"
         "from serving.engine.compile_process import CompileApart\n"
+        # SIGHUP's default action, as a shell's job has it, also under nohup (which leaves
+        # SIGHUP ignored, so the orphaned group's SIGHUP would not end it)
+        "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
         "apart = CompileApart(lambda: subprocess.Popen(['sleep', '600'], process_group=0))\n"
         "apart.hold(True)\n"
         "process = apart()\n"
