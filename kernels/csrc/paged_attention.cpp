@@ -8,7 +8,8 @@
 // torch's threads.
 //
 // Per sequence and kv head, keys are read a cache block at a time, each key vector loaded once
-// for the dot products of every query head that shares the kv head, into fp32 scores; then the
+// for the dot products of a tile of the query heads that share the kv head, into fp32 scores
+// (a group of more than four heads reads the block again from L1 for its next tile); then the
 // softmax's exponentials per head, the weighted sum of the values read the same way, and the
 // division by the exponentials' sum (SDPA's order of operations). Sequences whose block tables share leading blocks (the n samples of one
 // prompt) run one after another on a thread, so the shared blocks come from the cache the
@@ -202,8 +203,8 @@ void decode_attention(const float* q, const cache_t* k_cache, const cache_t* v_c
       const float* qb = q + (b * heads + kv * group) * D;
       float* o = out + (b * heads + kv * group) * D;
       scores.resize(group * len);
-      // A block's rows come from memory for the group's first head, from the L1 cache for
-      // the others.
+      // A block's rows come from memory for the group's first tile of heads, from the L1
+      // cache for the others.
       for_each_block(k_cache + kv * D, table, len, block_size, row,
                      [&](int64_t t, auto keys, int64_t n, auto next) {
                        for_each_head_tile(group, [&](int64_t h, auto tile) {
