@@ -197,21 +197,25 @@ def reward_loss(model: RewardModel, batch: PairRows) -> LossParts:
     return LossParts(bradley_terry_losses(picked[:n], picked[n:]).sum(), zero, zero, metrics)
 
 
+def scored(model: RewardModel, seqs: list[list[int]], pad_id: int) -> torch.Tensor:
+    """The rewards [len(seqs), objectives] of token sequences, scored on the device the model
+    is on (the policy's, in RL) and returned on the CPU."""
+    device = next(model.parameters()).device
+    ids, mask = padded(seqs, pad_id)
+    return model(ids.to(device), mask.to(device)).cpu()
+
+
 @torch.no_grad()
 def merged_rewards(
     model: RewardModel, rollouts: list[Rollout], weights: dict[str, float], pad_id: int
 ) -> list[float]:
     """Each episode's merged reward over its own domain's objectives (0 for an episode with
-    no turn), on the device the model is on."""
-    device = next(model.parameters()).device
+    no turn)."""
     out = []
     for start in range(0, len(rollouts), 16):
         part = rollouts[start : start + 16]
         played = [r for r in part if r.turns]
-        rewards = None
-        if played:
-            ids, mask = padded([episode_ids(r) for r in played], pad_id)
-            rewards = model(ids.to(device), mask.to(device)).cpu()
+        rewards = scored(model, [episode_ids(r) for r in played], pad_id) if played else None
         k = 0
         for r in part:
             if not r.turns:
@@ -229,12 +233,10 @@ def accuracy_table(model: RewardModel, path: Path, pad_id: int, weights: dict[st
     higher reward (a head, or the merged reward for `merged`), beside the shares a longer and
     a shorter answer win: what a reward that only counted tokens would score."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    device = next(model.parameters()).device
     results: dict[tuple[str, str], list[tuple[bool, bool, bool]]] = {}
     for start in range(0, len(rows), 16):
         part = rows[start : start + 16]
-        ids, mask = padded([r["chosen"] for r in part] + [r["rejected"] for r in part], pad_id)
-        rewards = model(ids.to(device), mask.to(device)).cpu()
+        rewards = scored(model, [r["chosen"] for r in part] + [r["rejected"] for r in part], pad_id)
         for k, row in enumerate(part):
             name, other = row["objective"], k + len(part)
             if name == MERGED:
