@@ -4,7 +4,9 @@ tokenizer and Prometheus endpoints.
 Every error is OpenAI-shaped JSON; bad input is a 4xx, never a 500 or a stack trace.
 """
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import uvicorn
@@ -92,12 +94,23 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     sampling_defaults: dict[str, float] | None = None,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """The app over a running engine; the caller owns the engine (and stops it).
-    `sampling_defaults` fill the sampling fields a request leaves unset."""
+    """The app over a running engine; the caller owns the engine, and `on_shutdown`, run when
+    the app shuts down, stops it. `sampling_defaults` fill the sampling fields a request
+    leaves unset."""
     metrics = ServerMetrics(engine.engine, model_name)
     serving = OpenAIServing(engine, tokenizer, model_name, metrics, dict(sampling_defaults or {}))
-    app = FastAPI(title="tierserve", summary=f"OpenAI-compatible server for {model_name}")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if on_shutdown is not None:
+            on_shutdown()
+
+    app = FastAPI(
+        title="tierserve", summary=f"OpenAI-compatible server for {model_name}", lifespan=lifespan
+    )
     if api_key:
         app.add_middleware(APIKeyAuth, api_keys=[api_key])
     install_error_handlers(app)
@@ -192,8 +205,17 @@ def serve(
     aengine = AsyncEngine(engine)
     name = model_name or Path(model_dir).resolve().name
     logging.getLogger("uvicorn.access").addFilter(_not_health_checks)
-    try:
-        app = build_app(aengine, engine.tokenizer, name, api_key, defaults)
-        uvicorn.run(app, host=host, port=port)
-    finally:
+
+    def stop() -> None:
+        """The engine's thread and its compile process end with the server. At the app's
+        shutdown: after a SIGTERM, uvicorn raises the signal again once it has shut down, and
+        its default action ends the process before a `finally` here would run."""
         aengine.stop()
+        if engine.compile_apart is not None:
+            engine.compile_apart.stop()
+
+    try:
+        app = build_app(aengine, engine.tokenizer, name, api_key, defaults, stop)
+        uvicorn.run(app, host=host, port=port)
+    finally:  # a server that never started (its port taken), or ended by an exception
+        stop()

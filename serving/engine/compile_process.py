@@ -88,6 +88,16 @@ class CompileApart:
             self.held = held
             self._signal(signal.SIGSTOP if held else signal.SIGCONT)
 
+    def stop(self) -> None:
+        """End the process and its compilers with the server (SIGKILL to the group, held or
+        not) and wait for it, so that none outlives a server that stopped: each graph is
+        stored whole or not at all, and a later start compiles what is missing."""
+        with self._lock:
+            process = self.process
+            if process is not None and process.poll() is None:
+                signal_group(process.pid, signal.SIGKILL)
+                process.wait()
+
     def _signal(self, sig: int) -> None:
         process = self.process
         if process is not None and process.poll() is None:

@@ -5,6 +5,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
 from serving.api_server.api_server import build_app
 from serving.engine.async_engine import AsyncEngine
@@ -33,6 +34,19 @@ WEATHER = {
 async def client(aengine: AsyncEngine, tokenizer: Tokenizer) -> AsyncIterator[httpx.AsyncClient]:
     async with asgi_client(build_app(aengine, tokenizer, MODEL)) as c:
         yield c
+
+
+def test_the_app_runs_its_on_shutdown_when_it_shuts_down(
+    aengine: AsyncEngine, tokenizer: Tokenizer
+) -> None:
+    """Where the server stops its engine and compile process: uvicorn raises a SIGTERM again
+    after the app's shutdown, which ends the process before code after `uvicorn.run`."""
+    calls: list[str] = []
+    app = build_app(aengine, tokenizer, MODEL, on_shutdown=lambda: calls.append("stopped"))
+    with TestClient(app) as client:
+        assert client.get("/v1/models").status_code == 200
+        assert calls == []
+    assert calls == ["stopped"]
 
 
 async def test_models_and_health(client: httpx.AsyncClient) -> None:

@@ -100,8 +100,9 @@ def test_a_compile_process_that_stores_nothing_leaves_steps_in_chunks(
     assert set(rows) == {1}
 
 
-def test_hold_stops_the_compile_process_and_its_compilers_and_continues_them(tmp_path: Path):
-    # A stand-in for the compile process: in a group of its own, with a compiler of its own.
+def stand_in(tmp_path: Path) -> tuple[CompileApart, list[int]]:
+    """A stand-in for the compile process, started: in a group of its own, with a compiler
+    of its own. Returns it and the pids of both."""
     child = tmp_path / "child"
     script = (
         "import subprocess, sys, time\n"
@@ -111,9 +112,15 @@ def test_hold_stops_the_compile_process_and_its_compilers_and_continues_them(tmp
     )
     apart = CompileApart(lambda: subprocess.Popen([sys.executable, "-c", script], process_group=0))
     process = apart()
+    assert settles(lambda: child.exists() and child.read_text())
+    return apart, [process.pid, int(child.read_text())]
+
+
+def test_hold_stops_the_compile_process_and_its_compilers_and_continues_them(tmp_path: Path):
+    apart, pids = stand_in(tmp_path)
+    process = apart.process
+    assert process is not None
     try:
-        assert settles(lambda: child.exists() and child.read_text())
-        pids = [process.pid, int(child.read_text())]
         apart.hold(True)
         assert settles(lambda: all(state(pid) == "T" for pid in pids))
         apart.hold(False)
@@ -121,6 +128,17 @@ def test_hold_stops_the_compile_process_and_its_compilers_and_continues_them(tmp
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_stop_ends_the_compile_process_and_its_compilers(tmp_path: Path, held: bool):
+    """A server that stops ends its compile process, held or not, before it exits."""
+    apart, pids = stand_in(tmp_path)
+    apart.hold(held)
+    apart.stop()
+    assert apart.process is not None and apart.process.returncode == -signal.SIGKILL
+    assert settles(lambda: not any(alive(pid) for pid in pids))
+    apart.stop()  # a second stop, as after a process that ended by itself: nothing to do
 
 
 def test_a_held_compile_process_ends_when_its_server_is_killed(tmp_path: Path):
