@@ -34,8 +34,9 @@ LIBRARY = cpu_extension.Library(
     "experts in place instead, reading every weight once per row",
 )
 # Builds or loads the ops once a process; False, with one warning, where they cannot be
-# built. A graph being traced calls it for its value, building them first.
-available = torch.compiler.assume_constant_result(cpu_extension.built_once(LIBRARY))
+# built. The decode graphs call it before they trace (`DecodeGraphs`), so a trace reads its
+# answer as a constant (`cpu_extension.once`).
+available = cpu_extension.built_once(LIBRARY)
 
 
 def runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:

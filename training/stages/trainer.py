@@ -39,6 +39,10 @@ from training.objectives.losses import LossFn
 from training.reports.curves import plot_curves
 from training.stages import checkpointing, progress
 
+# A save redraws the curves at most this often, and the last step always: drawing them takes
+# about as long as a toy model's step, and a run's progress is its bar and log.jsonl meanwhile.
+CURVES_EVERY_S = 60.0
+
 
 class Dataset(Protocol):
     def __len__(self) -> int: ...
@@ -156,6 +160,7 @@ class Trainer:
         )
         self.log: list[dict[str, float]] = []
         self.evals: list[dict[str, float]] = []
+        self._curves_drawn = time.monotonic()
 
     @property
     def model(self) -> LanguageModel:
@@ -248,14 +253,16 @@ class Trainer:
                 self.model.train()
             dist.barrier()
 
-    def _write_log(self) -> None:
+    def _write_log(self, last: bool) -> None:
         if self.rank != 0:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         lines = "".join(json.dumps(row) + "\n" for row in self.log)
         (self.out_dir / "log.jsonl").write_text(lines)
         (self.out_dir / "evals.json").write_text(json.dumps(self.evals, indent=1) + "\n")
-        plot_curves(self.log, self.evals, self.out_dir / "curves.png", self.desc)
+        if last or time.monotonic() - self._curves_drawn >= CURVES_EVERY_S:
+            plot_curves(self.log, self.evals, self.out_dir / "curves.png", self.desc)
+            self._curves_drawn = time.monotonic()
 
     def fit(self) -> LanguageModel:
         """Train to `cfg.steps`, resuming from the newest valid checkpoint in `out_dir`."""
@@ -278,10 +285,11 @@ class Trainer:
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 self._evaluate(step)
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                if step + 1 == cfg.steps:
+                last = step + 1 == cfg.steps
+                if last:
                     self._evaluate(step)
                 self._checkpoint(step)
-                self._write_log()
+                self._write_log(last)
         bar.close()
         self.model.eval()
         return self.model
