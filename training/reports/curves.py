@@ -38,7 +38,11 @@ def plot_curves(
 
     rl = any(key.startswith("reward/") for row in log for key in row)
     panels = 2 + bool(evals) + 2 * rl
-    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.6))
+    width = 5 * panels
+    fig, axes = plt.subplots(1, panels, figsize=(width, 3.6))
+    # Margins fixed in inches rather than `tight_layout`, which measured every label and took
+    # as long as the drawing itself: a short run draws its curves at every stage's end.
+    fig.subplots_adjust(left=0.9 / width, right=1 - 0.2 / width, bottom=0.14, top=0.9, wspace=0.3)
     steps = [row["step"] for row in log]
     for term in LOSS_TERMS:
         if any(term in row for row in log):  # phases of several kinds log different terms
@@ -66,7 +70,6 @@ def plot_curves(
         axes[1].annotate(
             name, (start, 0), xycoords=("data", "axes fraction"), fontsize=6, rotation=90
         )
-    fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
