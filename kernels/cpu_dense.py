@@ -34,8 +34,8 @@ LIBRARY = cpu_extension.Library(
     "experts in place instead, reading every weight once per row",
 )
 # Builds or loads the ops once a process; False, with one warning, where they cannot be
-# built. The decode graphs call it before they trace (`DecodeGraphs`), so a trace reads its
-# answer as a constant (`cpu_extension.once`).
+# built. Called before a trace reads it (`cpu_extension.once`): only traced code asks
+# `runs`, and `DecodeGraphs` calls it first.
 available = cpu_extension.built_once(LIBRARY)
 
 

@@ -77,14 +77,18 @@ def load() -> str | None:
 def once(fn: Callable[[], T]) -> Callable[[], T]:
     """`fn` called on the first call, once a process (threads racing to it wait for the
     first), then its answer from a plain variable, which a graph being traced reads as a
-    constant (the lock is taken only before the first call)."""
+    constant. So the first call comes before any trace that reads it (`DecodeGraphs` makes
+    it): a trace cannot take the lock or build a library, and says so."""
     lock = threading.Lock()
     done = False
     result: T
+    name = fn.__qualname__
 
     def call() -> T:
         nonlocal done, result
         if not done:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(f"{name}() was first called by a graph being traced")
             with lock:
                 if not done:
                     result = fn()

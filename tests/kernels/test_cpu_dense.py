@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_dense
+from kernels import cpu_dense, cpu_extension
 from serving.model.moe import grouped_experts
 from tests.kernels.cpu_ops import (
     CAPABILITIES,
@@ -135,6 +135,21 @@ def test_a_compiled_graph_calls_the_ops():
     weights, ids = routing(5, 8, 2, seed=2)
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     assert_matches(compiled(x, weights, ids), step(x, weights, ids))
+
+
+def test_an_answer_a_trace_asks_for_first_is_refused_by_name():
+    """A trace reads `available()` as a constant once it has been answered; asked first by a
+    graph being traced, which could neither take its lock nor build the ops, it says so."""
+
+    def decide() -> bool:
+        return True
+
+    answer = cpu_extension.once(decide)
+    step = torch.compile(lambda x: x + answer(), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"decide\(\) was first called by a graph being traced"):
+        step(torch.ones(2))
+    assert answer() is True
+    assert torch.equal(step(torch.ones(2)), torch.full((2,), 2.0))
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from kernels import cpu_attention
+from kernels import cpu_attention, cpu_dense
 from serving.model.attention import (
     AttentionMetadata,
     decode_attention,
@@ -33,6 +33,7 @@ def test_compiled_projection_is_the_linear(rows: int):
         layer.bias.copy_(torch.randn(80, generator=g))
     x = torch.randn(rows, 48, generator=g)
     traced: list[bool] = []
+    cpu_dense.available()  # decided before a trace reads it, as `DecodeGraphs` does
 
     def project(x: torch.Tensor) -> torch.Tensor:
         traced.append(reduces(x))
@@ -60,6 +61,7 @@ def test_onednn_projection_is_the_linear(rows: int):
     assert layer.onednn_weight is not None and layer.onednn_weight.is_mkldnn
     x = torch.randn(rows, 48, generator=g)
     want = F.linear(x, layer.weight, layer.bias)
+    cpu_dense.available()  # decided before a trace reads it, as `DecodeGraphs` does
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
         if rows <= 32:
