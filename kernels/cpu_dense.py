@@ -39,14 +39,24 @@ LIBRARY = cpu_extension.Library(
 available = cpu_extension.built_once(LIBRARY)
 
 
+# A bf16 weight at least this wide (an LM head) projects one row faster by the op: the fused
+# reduction widens each element inside its loop, the op a vector at a time in its tiles
+# (`loadtests/bench_projections.py`); narrower weights gain nothing from the call.
+WIDE_WEIGHT_ROWS = 2048
+
+
 def runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether the ops take these activations and weights: more than one row, fp32, and
-    contiguous weights of a dtype they read, all on the CPU, the ops built. A single row reads
-    each weight once however it is written, and inductor's fused reduction spares the op's call
-    and fuses with its neighbours, so one-row steps keep it (`loadtests/bench_projections.py`
-    times the two)."""
+    """Whether the ops take these activations and weights: fp32 activations and contiguous
+    weights of a dtype they read, all on the CPU, the ops built; and more than one row, or one
+    row against a wide bf16 weight (`WIDE_WEIGHT_ROWS`). Otherwise a single row reads each
+    weight once however it is written, and inductor's fused reduction spares the op's call
+    and fuses with its neighbours (`loadtests/bench_projections.py` times the two)."""
+    wide = all(
+        w.dim() == 2 and w.dtype == torch.bfloat16 and w.shape[0] >= WIDE_WEIGHT_ROWS
+        for w in weights
+    )
     return (
-        x.numel() > x.shape[-1]
+        (x.numel() > x.shape[-1] or wide)
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and all(

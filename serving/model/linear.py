@@ -4,10 +4,11 @@ There a projection of 2-32 rows is the C++ op of `kernels/cpu_dense.py`, which r
 weight (fp32, or bf16 held narrower) once for all the step's rows, where it lies (row-major,
 as checkpoints store it), so a verify step of a few rows costs little more in weight reads
 than a decode step of one. On a CPU, MKL's fp32 products of 1-32 rows read a cold weight far
-below memory speed, worst on AMD CPUs (`loadtests/bench_gemm.py`). One row, or where the op
-cannot be built (a warning says so), the projection is written as a broadcast product summed
-over the input dimension, which inductor fuses into one C++ loop that streams the weight
-once per row. Half-precision graphs are frozen and use inductor's own GEMM templates instead
+below memory speed, worst on AMD CPUs (`loadtests/bench_gemm.py`). One row (but against a
+wide bf16 weight, such as the MTP drafter's copy of the head), or where the op cannot be built
+(a warning says so), the projection is written as a broadcast product summed over the input
+dimension, which inductor fuses into one C++ loop that streams the weight once per row.
+Half-precision graphs are frozen and use inductor's own GEMM templates instead
 (`inductor_setup.inductor_config`).
 """
 

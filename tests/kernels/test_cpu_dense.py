@@ -56,6 +56,10 @@ def test_the_ops_run_for_more_than_one_row_of_what_they_read():
     w = randn(8, 64, seed=0)
     assert cpu_dense.runs(randn(2, 64, seed=1), w, w.bfloat16())
     assert not cpu_dense.runs(randn(1, 64, seed=1), w)  # one row: the fused reduction
+    head = randn(cpu_dense.WIDE_WEIGHT_ROWS, 64, seed=2)
+    assert cpu_dense.runs(randn(1, 64, seed=1), head.bfloat16())  # but a bf16 LM head: the op
+    assert not cpu_dense.runs(randn(1, 64, seed=1), head)
+    assert not cpu_dense.runs(randn(1, 64, seed=1), head[:-1].bfloat16())
     assert not cpu_dense.runs(randn(2, 64, seed=1).bfloat16(), w)
     assert not cpu_dense.runs(randn(2, 64, seed=1), w.half())
     assert not cpu_dense.runs(randn(2, 8, seed=1), w.t())
