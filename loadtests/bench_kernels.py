@@ -3,11 +3,13 @@ against bf16 PyTorch.
 
 CPU (always): one MoE layer call of the benchmark shape (16 experts, hidden 256, expert
 intermediate 384, top-2), 8 layers' worth of weights cycled so they do not stay in cache,
-at 1, 4, 16, 32 tokens (decode) and 256 (a prefill chunk), for each way to run the experts:
+at 1, 4, 16, 32, 64 tokens (decode) and 256 (a prefill chunk), for each way to run the experts:
 
 - dense fp32 weights (FP4 dequantized at load), and dense bf16 weights held in bf16 and
-  widened as they are used, each as eager steps run them (`grouped_experts`) and as the
-  compiled decode steps do (`gathered_experts` under `torch.compile`, decode sizes only);
+  widened as they are used, each in the grouped form (`grouped_experts`: training, and eager
+  steps of many tokens), in the dense C++ op (`kernels.cpu_dense.dense_moe`: inference steps
+  of up to `moe.DENSE_OP_MAX_TOKENS`), and as one-token compiled steps do (`gathered_experts`
+  under `torch.compile`, decode sizes only);
 - FP4 dequantized per step through the lookup table (`kernels.reference.fp4_moe`);
 - FP4 kept FP4: the C++ op (`kernels.cpu_fp4.fp4_moe`), which decodes each block in
   registers inside its products;
@@ -30,7 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_fp4
+from kernels import cpu_dense, cpu_fp4
 from kernels.formats import FP4Tensor, quantize_mxfp4, quantize_nvfp4
 from kernels.reference import fp4_moe
 from serving.model.moe import gathered_experts, grouped_experts, route
@@ -74,7 +76,10 @@ def cpu_experts(fmt: str) -> None:
         "FP4 dequantized per step (reference)": ("fp4", fp4_moe, False),
         "FP4 kept FP4 (C++ op)": ("fp4", cpu_fp4.fp4_moe, False),
     }
-    tokens = (1, 4, 16, 32, 256)
+    if cpu_dense.available():  # else it warned why
+        options["fp32, the dense C++ op"] = ("fp32", cpu_dense.dense_moe, False)
+        options["bf16 held, the dense C++ op"] = ("bf16", cpu_dense.dense_moe, False)
+    tokens = (1, 4, 16, 32, 64, 256)
     print(
         f"\nCPU, {fmt}, {torch.get_num_threads()} threads: ms per MoE layer call (best of 5, "
         f"each call cycles through {LAYERS} layers' weights); (x): the C++ op's speed-up"

@@ -307,6 +307,8 @@ def pack_for_inference(model: nn.Module, decoder_layers: bool = True) -> None:
     `x @ W.t()` then reads `W.t()` as a plain row-major matrix, which CPU BLAS streams
     faster at decode sizes than a transposed operand (`loadtests/bench_gemm.py`).
     The embedding keeps its layout (its rows are gathered), and so does a head tied to it.
+    So do the experts' stacks (3-D): inference steps of up to `moe.DENSE_OP_MAX_TOKENS`
+    tokens run them in the C++ op, which reads them row-major.
     An fp32 LM head on a CPU gets a copy in oneDNN's layout instead (`pack_onednn`).
     `decoder_layers=False` leaves the decoder layers and MTP layers as checkpoints lay them
     out, for compiled decode and draft steps, which read their projections and experts in
@@ -319,7 +321,7 @@ def pack_for_inference(model: nn.Module, decoder_layers: bool = True) -> None:
         if module in kept:
             continue
         for name, p in list(module.named_parameters(recurse=False)):
-            if p.dim() >= 2 and p is not embed and getattr(module, "onednn_weight", None) is None:
+            if p.dim() == 2 and p is not embed and getattr(module, "onednn_weight", None) is None:
                 packed = p.detach().transpose(-1, -2).contiguous().transpose(-1, -2)
                 setattr(module, name, nn.Parameter(packed, requires_grad=False))
 

@@ -130,6 +130,14 @@ PADDED_CAPACITY = 16
 PADDED_CAPACITY_THREADED = 128
 
 
+# Inference steps of up to this many tokens, compiled or eager, run their experts in the C++
+# op of `kernels/cpu_dense.py` (a compiled step has at most `linear.REDUCTION_MAX_ROWS`): one
+# call that reads each used expert once, where the grouped form is a dozen ATen calls and,
+# for weights held narrower, widens every expert each call. Past it the grouped form's
+# batched products win (`loadtests/bench_kernels.py` times the expert forms).
+DENSE_OP_MAX_TOKENS = 64
+
+
 class SparseMoE(nn.Module):
     """`gate_up` and `down` are parameters, or `QuantizedWeight`s in an FP4 model."""
 
@@ -159,11 +167,14 @@ class SparseMoE(nn.Module):
             y = ops.fused_moe(x, weights, experts, gate_up, down)
         elif fp4:
             y = ops.fp4_experts(x, weights, experts, gate_up, down)
+        elif (
+            not torch.is_grad_enabled()
+            and x.shape[0] <= DENSE_OP_MAX_TOKENS
+            and cpu_dense.runs(x, gate_up, down)
+        ):
+            y = cpu_dense.dense_moe(x, weights, experts, gate_up, down)
         elif torch.compiler.is_compiling() and not torch.is_grad_enabled():  # a decode graph
-            if cpu_dense.runs(x, gate_up, down):
-                y = cpu_dense.dense_moe(x, weights, experts, gate_up, down)
-            else:
-                y = gathered_experts(x, weights, experts, gate_up, down)
+            y = gathered_experts(x, weights, experts, gate_up, down)
         else:
             y = grouped_experts(x, weights, experts, gate_up, down)
         return y.view(shape)
