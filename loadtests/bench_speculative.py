@@ -6,7 +6,8 @@ nothing): the target (default `models/demo-full`) with each drafter: n-gram prom
 its own MTP layer, and `models/demo-draft`. Prompts are held-out tasks of the four domains
 rendered by the chat template; greedy decoding, up to `--new-tokens` per request.
 Requests run in groups of `concurrency` under continuous batching; output tokens/s is all
-generated tokens over the wall time (prefill included). Every speculative run is checked
+generated tokens over the wall time (prefill included), and beside it over the decode steps
+alone (after every request of a group has its first token). Every speculative run is checked
 token for token against the plain run. Methods alternate within each round, and the
 median over rounds is reported, so slow periods of a noisy machine hit all alike.
 
@@ -19,6 +20,7 @@ import dataclasses
 import itertools
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,16 +53,41 @@ def task_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
     return prompts
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], concurrency: int, new: int):
-    """Token ids per prompt and the output tokens/s, `concurrency` requests at a time."""
+@dataclass
+class Speed:
+    outputs: list[list[int]]  # token ids per prompt
+    overall: float  # output tokens/s over the wall time, prefill included
+    decode: float  # over the decode steps alone
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], concurrency: int, new: int) -> Speed:
+    """Prompts `concurrency` at a time. The decode steps are those after every request of a
+    group has its first token: their figure leaves out the prefill and, for MTP, the
+    drafter's catch-up over the prompt, which a long answer spreads over more tokens."""
     params = SamplingParams(max_tokens=new, temperature=0.0)
     outputs: list[list[int]] = []
+    decode_seconds, decode_tokens = 0.0, 0
     start = time.monotonic()
     for i in range(0, len(prompts), concurrency):
-        for out in engine.generate(prompts[i : i + concurrency], params):
-            outputs.append(out[0].token_ids)
+        group: dict[str, list[int]] = {}
+        for prompt in prompts[i : i + concurrency]:
+            request_id = f"bench-{time.monotonic_ns()}-{len(group)}"
+            group[request_id] = []
+            engine.add_request(request_id, prompt, params)
+        while engine.has_unfinished():
+            decoding = all(group.values())
+            step_start = time.monotonic()
+            step = engine.step()
+            if decoding:
+                decode_seconds += time.monotonic() - step_start
+            for out in step:
+                for delta in out.outputs:
+                    group[out.request_id] += delta.token_ids
+                    decode_tokens += len(delta.token_ids) if decoding else 0
+        engine.idle()
+        outputs += group.values()
     elapsed = time.monotonic() - start
-    return outputs, sum(map(len, outputs)) / elapsed
+    return Speed(outputs, sum(map(len, outputs)) / elapsed, decode_tokens / decode_seconds)
 
 
 def _ms(fn, calls: int = 200) -> float:
@@ -211,25 +238,30 @@ def main() -> None:
     with tqdm(total=total, desc="bench", unit="run") as bar:
         for c in args.concurrency:
             speeds: dict[str, list[float]] = {name: [] for name in engines}
+            decode: dict[str, list[float]] = {name: [] for name in engines}
             identical = dict.fromkeys(engines, True)
             before = {n: _counts(e) for n, e in engines.items()}
             run(engines["none"], prompts[:c], c, 8)  # warm-up
             for _ in range(args.rounds):
                 reference = None
                 for name, engine in engines.items():
-                    outputs, speed = run(engine, prompts, c, args.new_tokens)
-                    reference = reference or outputs
-                    identical[name] &= outputs == reference
-                    speeds[name].append(speed)
+                    speed = run(engine, prompts, c, args.new_tokens)
+                    reference = reference or speed.outputs
+                    identical[name] &= speed.outputs == reference
+                    speeds[name].append(speed.overall)
+                    decode[name].append(speed.decode)
                     bar.update()
             base = statistics.median(speeds["none"])
+            decode_base = statistics.median(decode["none"])
             for name, engine in engines.items():
                 drafts, draft_tokens, accepted = (
                     a - b for a, b in zip(_counts(engine), before[name], strict=True)
                 )
                 speed = statistics.median(speeds[name])
+                decoding = statistics.median(decode[name])
                 rows.append(
                     f"| {c} | {name} | {speed:.1f} | {speed / base:.2f}x | "
+                    f"{decoding:.1f} | {decoding / decode_base:.2f}x | "
                     + (
                         f"{accepted / draft_tokens:.1%} | {1 + accepted / drafts:.2f} | "
                         if drafts
@@ -238,9 +270,9 @@ def main() -> None:
                     + ("yes" if identical[name] else "**NO**")
                     + " |"
                 )
-    print("| concurrency | drafter | output tok/s | vs none | acceptance | mean accepted "
-          "length | greedy-identical |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("| concurrency | drafter | output tok/s | vs none | decode steps' tok/s | vs none | "
+          "acceptance | mean accepted length | greedy-identical |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 
