@@ -1,10 +1,15 @@
-"""The experts of a compiled decode step (`gathered_experts`) against the grouped experts that
-every other step runs."""
+"""The experts' forms against each other: a one-row compiled decode step's (`gathered_experts`),
+an inference step's of up to `DENSE_OP_MAX_TOKENS` tokens (the dense C++ op), and the grouped
+form that training and longer steps run."""
 
 import pytest
 import torch
 
-from serving.model.moe import gathered_experts, grouped_experts, route
+from kernels import cpu_dense
+from serving.model.causal_lm import CausalLM, pack_for_inference
+from serving.model.config import ModelConfig
+from serving.model.moe import DENSE_OP_MAX_TOKENS, gathered_experts, grouped_experts, route
+from tests.tiny_models import TINY_MOE
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -51,3 +56,29 @@ def test_grouped_experts_match_each_token_alone(threads: int, tokens: int):
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_steps_run_their_experts_in_the_dense_op_up_to_its_limit(monkeypatch):
+    """In an engine's model (its weights as `pack_for_inference` leaves them), an inference step
+    of up to `DENSE_OP_MAX_TOKENS` tokens runs the dense op, eager as compiled; more tokens and
+    training steps the grouped form; each equal to the grouped form."""
+    config = ModelConfig.from_dict({**TINY_MOE, "architectures": ["Qwen3MoeForCausalLM"]})
+    model = CausalLM(config)
+    model.init_weights()
+    pack_for_inference(model.eval())
+    moe = model.layers[0].mlp
+    assert moe.gate_up.is_contiguous() and moe.down.is_contiguous()  # row-major, as the op reads
+    tokens_in_op: list[int] = []
+    op = cpu_dense.dense_moe
+    monkeypatch.setattr(
+        cpu_dense, "dense_moe", lambda x, *rest: tokens_in_op.append(len(x)) or op(x, *rest)
+    )
+    g = torch.Generator().manual_seed(0)
+    for tokens, training in [(2, False), (DENSE_OP_MAX_TOKENS, False), (65, False), (8, True)]:
+        x = torch.randn(tokens, config.hidden_size, generator=g)
+        with torch.set_grad_enabled(training):
+            got = moe(x)
+            weights, ids = route(moe.gate(x), moe.top_k, moe.norm_topk_prob)
+            want = grouped_experts(x, weights, ids, moe.gate_up, moe.down)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert tokens_in_op == [2, DENSE_OP_MAX_TOKENS]
