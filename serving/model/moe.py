@@ -134,7 +134,8 @@ PADDED_CAPACITY_THREADED = 128
 # op of `kernels/cpu_dense.py` (a compiled step has at most `linear.REDUCTION_MAX_ROWS`): one
 # call that reads each used expert once, where the grouped form is a dozen ATen calls and,
 # for weights held narrower, widens every expert each call. Past it the grouped form's
-# batched products win (`loadtests/bench_kernels.py` times the expert forms).
+# batched products do as well or better, the better the more a layer's experts stay in cache
+# (`loadtests/bench_kernels.py` times the expert forms, weights cycled out of cache).
 DENSE_OP_MAX_TOKENS = 64
 
 
