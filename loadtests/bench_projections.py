@@ -1,5 +1,6 @@
 """One row's projection inside a compiled decode step: inductor's fused reduction against the
-C++ op of `kernels/cpu_dense.py`, by weight shape (`serving/model/linear.py` picks by size).
+C++ op of `kernels/cpu_dense.py`, by weight shape (`serving/model/linear.py` picks by size);
+then eagerly, as an engine computes its LM head after a step: oneDNN's product against the op.
 
 Each graph runs eight projections of one shape, chained as a step's are (each output feeds
 the next), so a call's fixed cost is shared as in a real step; the two forms alternate within
@@ -40,6 +41,13 @@ def op(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
     return x
 
 
+def onednn(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    """Eagerly, oneDNN's product over each weight's blocked copy (`linear.pack_onednn`)."""
+    for w in ws:
+        x = _next(x, torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+    return x
+
+
 def _us(fn, calls: int = 500) -> float:
     for _ in range(20):
         fn()
@@ -77,6 +85,21 @@ def main() -> None:
             red, cpp = (statistics.median(times[name]) for name in ("reduction", "op"))
             name = str(dtype).removeprefix("torch.")
             print(f"| [{n}, {k}] | {name} | {red:.1f} | {cpp:.1f} | {cpp / red:.2f}x |")
+    print("\nEager, fp32: oneDNN over its blocked copy of the weight (an eager LM head's) against")
+    print("the C++ op over the weight as stored, us per projection")
+    print("| weight | oneDNN | C++ op | op / oneDNN |")
+    print("|---|---|---|---|")
+    for n, k in SHAPES:
+        g = torch.Generator().manual_seed(n + k)
+        ws = [torch.randn(n, k, generator=g) * k**-0.5 for _ in range(CHAIN)]
+        blocked = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
+        x = torch.randn(1, k, generator=g)
+        times = {"onednn": [], "op": []}
+        for _ in range(args.rounds):
+            times["onednn"].append(_us(lambda x=x, blocked=blocked: onednn(x, blocked)))
+            times["op"].append(_us(lambda x=x, ws=ws: op(x, ws)))
+        dnn, cpp = (statistics.median(times[name]) for name in ("onednn", "op"))
+        print(f"| [{n}, {k}] | {dnn:.1f} | {cpp:.1f} | {cpp / dnn:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -34,11 +34,16 @@ def reduces(x: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    # oneDNN's blocked layout of an fp32 weight on a CPU (`pack_onednn`), read by eager calls.
+    # oneDNN's blocked layout of an fp32 weight on a CPU (`pack_onednn`), read by eager calls
+    # of several rows. One row (a lone stream's logits) goes through the dense op over the
+    # plain weight, which reads it faster (`loadtests/bench_projections.py`, eager section).
     onednn_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn_weight is not None and not torch.compiler.is_compiling():
+            if x.numel() == x.shape[-1] and self.weight.is_contiguous() and cpu_dense.available():
+                y = cpu_dense.dense_linear(x, self.weight)
+                return y if self.bias is None else y + self.bias
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.onednn_weight, self.bias, "none", [], ""
             )

@@ -72,6 +72,25 @@ def test_onednn_projection_is_the_linear(rows: int):
     assert half.onednn_weight is None
 
 
+def test_one_row_of_a_onednn_packed_projection_is_the_dense_op(monkeypatch):
+    """A lone stream's logits: one row through the dense op over the plain weight, several
+    rows through oneDNN's copy; both the product."""
+    g = torch.Generator().manual_seed(0)
+    layer = Linear(48, 80, bias=True)
+    pack_onednn(layer)
+    rows_in_op: list[int] = []
+    op = cpu_dense.dense_linear
+    monkeypatch.setattr(
+        cpu_dense, "dense_linear", lambda x, w: rows_in_op.append(len(x)) or op(x, w)
+    )
+    with torch.inference_mode():
+        for rows in (1, 4):
+            x = torch.randn(rows, 48, generator=g)
+            want = F.linear(x, layer.weight, layer.bias)
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+    assert rows_in_op == [1]
+
+
 def test_inference_packing_gives_the_lm_head_onednn_layout():
     """`pack_for_inference` packs the (tied) fp32 head for oneDNN and leaves the embedding
     it shares as it was; the logits stay the plain product's."""
