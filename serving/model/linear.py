@@ -36,7 +36,8 @@ def reduces(x: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     # oneDNN's blocked layout of an fp32 weight on a CPU (`pack_onednn`), read by eager calls
     # of several rows. One row (a lone stream's logits) goes through the dense op over the
-    # plain weight, which reads it faster (`loadtests/bench_projections.py`, eager section).
+    # plain weight: faster for a small head, about even for a large one
+    # (`loadtests/bench_projections.py`, eager section).
     onednn_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
