@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_dense
-from kernels.cpu_dense import dense_linear
 
 EXPERTS, HIDDEN, INTER, LAYERS = 16, 256, 384, 8
 
@@ -53,7 +52,9 @@ def main() -> None:
             "oneDNN, blocked": lambda x=x: [onednn(x, w, None, "none", [], "") for w in blocked],
         }
         if cpu_dense.available():  # else it warned why
-            products["dense op, as stored"] = lambda x=x: [dense_linear(x, w) for w in weights]
+            products["dense op, as stored"] = lambda x=x: [
+                cpu_dense.dense_linear(x, w) for w in weights
+            ]
         for name, product in products.items():
             t = best_seconds(product)
             print(f"{name:19s} {rows:2d} rows: {gbytes / t:5.1f} GB/s ({read / t:.0%} of the read)")
