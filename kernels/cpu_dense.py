@@ -8,10 +8,12 @@ weight once per row, so a step of five rows (a verified speculation of four draf
 nearly five one-row steps. These ops share the FP4 ops' tile loops (`csrc/row_products.h`):
 each loaded weight vector goes into every row's sums, and experts run grouped by expert.
 
-Activations are fp32 (the graphs that call them compute in fp32); weights fp32 or bf16 (a
-bf16 checkpoint computed in fp32 on a CPU without native bf16 products keeps its weights
-bf16, `load_checkpoint`), widened exactly in registers. The ops are built on first use
-(`kernels/cpu_extension.py`) and registered with fake kernels, so compiled graphs call them;
+The ops compute in fp32: activations of a half-precision graph are widened for them and
+their results rounded back to the graph's dtype, as a bf16 product accumulates in fp32 anyway
+(the conversions, a few KB a step, fuse into the graph's neighbouring loops). Weights are fp32
+or bf16 (a bf16 checkpoint keeps its weights bf16 whatever it computes in,
+`load_checkpoint`), widened exactly in registers. The ops are built on first use
+(`kernels/cpu_extension.py`) and registered with fake kernels, so compiled graphs call them.
 """
 
 import torch
@@ -19,6 +21,7 @@ import torch
 from kernels import cpu_extension
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _register_fakes() -> None:
@@ -39,26 +42,30 @@ LIBRARY = cpu_extension.Library(
 available = cpu_extension.built_once(LIBRARY)
 
 
-# A bf16 weight at least this wide (an LM head) projects one row faster by the op: the fused
-# reduction widens each element inside its loop, the op a vector at a time in its tiles
-# (`loadtests/bench_projections.py`); narrower weights gain nothing from the call.
+# A bf16 weight at least this wide (an LM head) projects one row of fp32 activations faster
+# by the op: the fused reduction widens each element inside its loop, the op a vector at a
+# time in its tiles; narrower weights gain nothing from the call. With bf16 activations the
+# reduction is slower still, and the op the faster at every width
+# (`loadtests/bench_projections.py`).
 WIDE_WEIGHT_ROWS = 2048
 
 
 def runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether the ops take these activations and weights: fp32 activations and contiguous
-    weights of a dtype they read, all on the CPU, the ops built; and more than one row, or one
-    row against a wide bf16 weight (`WIDE_WEIGHT_ROWS`). Otherwise a single row reads each
-    weight once however it is written, and inductor's fused reduction spares the op's call
-    and fuses with its neighbours (`loadtests/bench_projections.py` times the two)."""
-    wide = all(
-        w.dim() == 2 and w.dtype == torch.bfloat16 and w.shape[0] >= WIDE_WEIGHT_ROWS
+    """Whether the ops take these activations and weights: activations of a float dtype and
+    contiguous weights of a dtype they read, all on the CPU, the ops built; and more than one
+    row, or one row against bf16 weights that are wide (`WIDE_WEIGHT_ROWS`) or computed in
+    half precision. Otherwise a single row reads each weight once however it is written, and
+    inductor's fused reduction spares the op's call and fuses with its neighbours."""
+    one_row = all(
+        w.dim() == 2
+        and w.dtype == torch.bfloat16
+        and (w.shape[0] >= WIDE_WEIGHT_ROWS or x.dtype != torch.float32)
         for w in weights
     )
     return (
-        (x.numel() > x.shape[-1] or wide)
+        (x.numel() > x.shape[-1] or one_row)
         and x.device.type == "cpu"
-        and x.dtype == torch.float32
+        and x.dtype in ACTIVATION_DTYPES
         and all(
             w.device.type == "cpu" and w.dtype in WEIGHT_DTYPES and w.is_contiguous()
             for w in weights
@@ -68,9 +75,9 @@ def runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x [..., K] @ W.t()` for fp32 x and an fp32 or bf16 weight `W [N, K]`, in fp32."""
-    y = torch.ops.tierserve_dense.linear(x.reshape(-1, x.shape[-1]).contiguous(), weight)
-    return y.view(*x.shape[:-1], -1)
+    """`x [..., K] @ W.t()` for an fp32 or bf16 weight `W [N, K]`, in x's dtype."""
+    y = torch.ops.tierserve_dense.linear(x.reshape(-1, x.shape[-1]).float().contiguous(), weight)
+    return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 
 def dense_moe(
@@ -80,12 +87,12 @@ def dense_moe(
     gate_up: torch.Tensor,
     down: torch.Tensor,
 ) -> torch.Tensor:
-    """`sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])` for fp32 x [T, H] and
-    experts gate_up [E, 2I, H], down [E, H, I] (fp32 or bf16, both alike), in fp32."""
+    """`sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])` for x [T, H] and experts
+    gate_up [E, 2I, H], down [E, H, I] (fp32 or bf16, both alike), in x's dtype."""
     return torch.ops.tierserve_dense.moe(
-        x.contiguous(),
+        x.float().contiguous(),
         topk_weights.float().contiguous(),
         topk_ids.long().contiguous(),
         gate_up,
         down,
-    )
+    ).to(x.dtype)

@@ -21,6 +21,12 @@ from kernels import cpu_dense
 # layer's eh_proj, demo-highspeed's LM head, the benchmark shape's LM head.
 SHAPES = [(512, 256), (256, 256), (256, 512), (2746, 256), (8192, 256)]
 CHAIN = 8
+# (weights, activations): a bf16 checkpoint computed in fp32, computed in bf16, fp32.
+DTYPES = [
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float32),
+]
 
 
 def _next(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -68,13 +74,13 @@ def main() -> None:
     if not cpu_dense.available():
         raise SystemExit("the C++ dense ops could not be built: nothing to compare")
     print(f"one row, {args.threads} thread(s), us per projection, median of {args.rounds} rounds")
-    print("| weight | dtype | fused reduction | C++ op | op / reduction |")
+    print("| weight | weights, activations | fused reduction | C++ op | op / reduction |")
     print("|---|---|---|---|---|")
     for n, k in SHAPES:
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype, x_dtype in DTYPES:
             g = torch.Generator().manual_seed(n + k)
             ws = [(torch.randn(n, k, generator=g) * k**-0.5).to(dtype) for _ in range(CHAIN)]
-            x = torch.randn(1, k, generator=g)
+            x = torch.randn(1, k, generator=g).to(x_dtype)
             forms = {f: torch.compile(f, dynamic=False, fullgraph=True) for f in (reduction, op)}
             times: dict[str, list[float]] = {f.__name__: [] for f in forms}
             for compiled in forms.values():
@@ -83,7 +89,7 @@ def main() -> None:
                 for f, compiled in forms.items():
                     times[f.__name__].append(_us(lambda c=compiled, x=x, ws=ws: c(x, ws)))
             red, cpp = (statistics.median(times[name]) for name in ("reduction", "op"))
-            name = str(dtype).removeprefix("torch.")
+            name = ", ".join(str(d).removeprefix("torch.") for d in (dtype, x_dtype))
             print(f"| [{n}, {k}] | {name} | {red:.1f} | {cpp:.1f} | {cpp / red:.2f}x |")
     print("\nEager, fp32: oneDNN over its blocked copy of the weight (an eager LM head's) against")
     print("the C++ op over the weight as stored, us per projection")

@@ -1,4 +1,4 @@
-"""The model's projections: `nn.Linear`, except in a compiled fp32 decode step.
+"""The model's projections: `nn.Linear`, except in a compiled decode step.
 
 There a projection of 2-32 rows is the C++ op of `kernels/cpu_dense.py`, which reads the
 weight (fp32, or bf16 held narrower) once for all the step's rows, where it lies (row-major,
@@ -8,8 +8,7 @@ below memory speed, worst on AMD CPUs (`loadtests/bench_gemm.py`). One row (but 
 wide bf16 weight, such as the MTP drafter's copy of the head), or where the op cannot be built
 (a warning says so), the projection is written as a broadcast product summed over the input
 dimension, which inductor fuses into one C++ loop that streams the weight once per row.
-Half-precision graphs are frozen and use inductor's own GEMM templates instead
-(`inductor_setup.inductor_config`).
+Half-precision steps take the same paths, the op computing in fp32 between conversions.
 """
 
 import torch
@@ -28,27 +27,41 @@ def reduces(x: torch.Tensor) -> bool:
     return (
         torch.compiler.is_compiling()
         and not torch.is_grad_enabled()
-        and x.dtype == torch.float32
         and x.numel() <= REDUCTION_MAX_ROWS * x.shape[-1]
     )
 
 
 class Linear(nn.Linear):
     # oneDNN's blocked layout of an fp32 weight on a CPU (`pack_onednn`), read by eager calls
-    # of several rows. One row (a lone stream's logits) goes through the dense op over the
-    # plain weight: faster for a small head, about even for a large one
-    # (`loadtests/bench_projections.py`, eager section).
+    # of several rows.
     onednn_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn_weight is not None and not torch.compiler.is_compiling():
-            if x.numel() == x.shape[-1] and self.weight.is_contiguous() and cpu_dense.available():
+        if not torch.compiler.is_compiling():
+            if self._one_row_by_op(x):
                 y = cpu_dense.dense_linear(x, self.weight)
                 return y if self.bias is None else y + self.bias
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.onednn_weight, self.bias, "none", [], ""
-            )
+            if self.onednn_weight is not None:
+                return torch.ops.mkldnn._linear_pointwise(
+                    x, self.onednn_weight, self.bias, "none", [], ""
+                )
         return linear(x, self.weight, self.bias)
+
+    def _one_row_by_op(self, x: torch.Tensor) -> bool:
+        """An eager inference call of one row (a lone stream's logits) over an fp32 weight
+        with a oneDNN copy, or a bf16 one: the dense op over the weight as stored is faster
+        than oneDNN's product for a small head, about even for a large one
+        (`loadtests/bench_projections.py`, eager section), and spares a weight held narrower
+        than x its widening each call."""
+        w = self.weight
+        return (
+            x.numel() == x.shape[-1]
+            and not torch.is_grad_enabled()
+            and (self.onednn_weight is not None or w.dtype == torch.bfloat16)
+            and w.device.type == "cpu"
+            and w.is_contiguous()
+            and cpu_dense.available()
+        )
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

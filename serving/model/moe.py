@@ -106,15 +106,14 @@ def gathered_experts(
 ) -> torch.Tensor:
     """`grouped_experts` written for a compiled decode step (at most 32 tokens), where the C++
     op that reads each used expert once a step (`kernels/cpu_dense.py`) does not run: a single
-    token (which reads its experts once either way), an op that was not built, weights neither
-    fp32 nor bf16, or a step that computes in half precision.
+    token (which reads its experts once either way), an op that was not built, or weights
+    neither fp32 nor bf16.
 
     Each token's expert weights are indexed and reduced against it in fp32, which inductor
     fuses into one loop that reads the indexed weights in place (no gathered copy), row-major
     as checkpoints store them, with no library call and no Python. Every token reads its own
     experts, so a step's cost grows with its tokens, yet it beats the grouped op's products at
-    every graph size (`loadtests/bench_kernels.py`). In half precision it also spares
-    oneDNN's ~20 us a product (see `inductor_setup.inductor_config`)."""
+    every graph size (`loadtests/bench_kernels.py`)."""
     h = (x[:, None, None, :].float() * gate_up[experts].float()).sum(-1)  # [T, k, 2I]
     a = silu_and_mul(h.to(x.dtype))
     o = (a[:, :, None, :].float() * down[experts].float()).sum(-1).to(x.dtype)  # [T, k, H]

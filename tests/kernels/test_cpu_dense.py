@@ -60,7 +60,12 @@ def test_the_ops_run_for_more_than_one_row_of_what_they_read():
     assert cpu_dense.runs(randn(1, 64, seed=1), head.bfloat16())  # but a bf16 LM head: the op
     assert not cpu_dense.runs(randn(1, 64, seed=1), head)
     assert not cpu_dense.runs(randn(1, 64, seed=1), head[:-1].bfloat16())
-    assert not cpu_dense.runs(randn(2, 64, seed=1).bfloat16(), w)
+    # Half-precision activations are widened for the op; one row of them against any bf16
+    # weight is the op too (the fused reduction is slower there).
+    assert cpu_dense.runs(randn(2, 64, seed=1).bfloat16(), w)
+    assert cpu_dense.runs(randn(1, 64, seed=1).bfloat16(), w.bfloat16())
+    assert not cpu_dense.runs(randn(1, 64, seed=1).bfloat16(), w)
+    assert not cpu_dense.runs(randn(2, 64, seed=1).to(torch.int32), w)
     assert not cpu_dense.runs(randn(2, 64, seed=1), w.half())
     assert not cpu_dense.runs(randn(2, 8, seed=1), w.t())
 
@@ -80,6 +85,24 @@ def test_experts_match_the_grouped_experts(dtype, experts, hidden, inter, top_k)
         got = cpu_dense.dense_moe(x, weights, ids, gate_up, down)
         expected = grouped_experts(x, weights, ids, gate_up.float(), down.float())
         assert_matches(got, expected)
+
+
+def test_half_precision_activations_are_computed_in_fp32_and_rounded_once():
+    """A bf16 graph's product: the widened activations' fp32 product, in bf16, as a bf16
+    matmul accumulating in fp32 gives it (one rounding, so at most one bf16 step apart)."""
+    w = randn(96, 64, seed=0, dtype=torch.bfloat16)
+    gate_up, down = randn(4, 64, 64, seed=1, dtype=torch.bfloat16), randn(4, 64, 32, seed=2)
+    down = (down * 0.2).bfloat16()
+    weights, ids = routing(5, 4, 2, seed=3)
+    for x in (randn(1, 64, seed=4, dtype=torch.bfloat16), randn(5, 64, seed=5).half()):
+        y = cpu_dense.dense_linear(x, w)
+        assert y.dtype == x.dtype
+        torch.testing.assert_close(y, F.linear(x.float(), w.float()).to(x.dtype))
+        x = x.expand(5, 64).contiguous()
+        y = cpu_dense.dense_moe(x, weights, ids, gate_up, down)
+        expected = grouped_experts(x.float(), weights, ids, gate_up.float(), down.float())
+        assert y.dtype == x.dtype
+        torch.testing.assert_close(y, expected.to(x.dtype))
 
 
 def test_experts_with_every_token_on_one_expert():

@@ -2,12 +2,12 @@
 
 A decode step of a small model on a CPU is bound by per-operation overhead: thousands of
 small ATen calls and the Python between them. `torch.compile` (inductor's C++ code) turns
-the forward into a few fused kernels, but only for fixed shapes. In fp32 the projections
-and the experts of a step of several rows are C++ ops that read each weight once for all the
-rows (`kernels/cpu_dense.py`); a one-row step, or where those cannot be built, writes them as
+the forward into a few fused kernels, but only for fixed shapes. The projections and the
+experts of a step of several rows are C++ ops that read each weight once for all the rows
+(`kernels/cpu_dense.py`); a one-row step, or where those cannot be built, writes them as
 reductions (`serving/model/linear.py`) and each token's experts read in place
 (`gathered_experts`): fused loops that stream row-major weights once per row. Both beat
-BLAS's products of a few rows. Half-precision graphs use inductor's GEMM templates instead.
+BLAS's products of a few rows, in fp32 as in bf16.
 So, as vLLM does with CUDA graphs, decode steps are padded to the next of a few batch
 sizes and each size has its own graph (`dynamic=False`). A step of several tokens per
 sequence (drafts to verify, a short prefill chunk) takes one row per token
@@ -40,9 +40,8 @@ largest size, at nearly the cost of a graph of its own, since a chunk of 8 rows 
 its weights once for all of them.
 Compiling in the background rather than before the server listens lets it answer /health
 with that progress meanwhile. Inductor's caches live on disk (`compile_cache_dir`), and so do
-the fp32 graphs whole (`precompiled.py`), so a restart loads them rather than tracing them
-again; half-precision graphs, frozen, are traced again (`loadtests/bench_startup.py`
-measures a cold start, a warm one and a restart after SIGKILL).
+the graphs whole (`precompiled.py`), so a restart loads them rather than tracing them again
+(`loadtests/bench_startup.py` measures a cold start, a warm one and a restart after SIGKILL).
 """
 
 import functools
@@ -63,11 +62,7 @@ from kernels import cpu_dense, ops
 from serving.model.attention import AttentionMetadata
 from serving.model.causal_lm import CausalLM
 from serving.model.graphs import precompiled
-from serving.model.graphs.inductor_setup import (
-    compile_cache_dir,
-    inductor_config,
-    release_gil_in_kernels,
-)
+from serving.model.graphs.inductor_setup import compile_cache_dir, inductor_config
 from serving.model.spans import TokenSpan, graph_rows
 
 logger = logging.getLogger(__name__)
@@ -205,18 +200,16 @@ class DecodeGraphs:
         `torch.compile` is called here: its first call imports dynamo, which would otherwise
         hold the server's start."""
         start = time.monotonic()
-        dtype = model.embed_tokens.weight.dtype
-        # Whole graphs on disk (`precompiled`): static shapes only, and no frozen weights; and
-        # only graphs of the C++ ops, which their key does not tell apart from the fallbacks.
-        store = self.paged_kernel and self.dense_kernel and dtype == torch.float32
+        # Whole graphs on disk (`precompiled`): static shapes only, and only graphs of the C++
+        # ops, which their key does not tell apart from the fallbacks.
+        store = self.paged_kernel and self.dense_kernel
         apart: list[tuple[_Inputs, Path]] = []  # left to the process of `compile_apart`
         try:
-            release_gil_in_kernels()
             self.forward = torch.compile(model, dynamic=False, fullgraph=True)
             # One cache entry per size and model (a process may hold several engines);
             # dynamo's config is per thread.
             torch._dynamo.config.recompile_limit = 64
-            with inductor_config(dtype):
+            with inductor_config():
                 for i, padding in enumerate(inputs):
                     if store:
                         example, path = self._stored_at(padding)

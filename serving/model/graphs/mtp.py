@@ -6,7 +6,7 @@ its norm and the LM head, for a few rows: the positions the target just computed
 calls and the Python between them, as costly as a whole compiled target step, and a
 speculative step runs it once per draft. So it goes through the same machinery as the
 target (`DecodeGraphs`): one graph per padded size, inputs in preallocated buffers, padding
-rows writing to the scratch block, fp32 graphs stored whole on disk, compiled in the
+rows writing to the scratch block, graphs stored whole on disk, compiled in the
 background and counted in the engine's warm-up. Its one extra input, the target's hidden
 state of each row, lives in a buffer of its own that each graph reads up to its size.
 

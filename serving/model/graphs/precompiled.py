@@ -12,7 +12,6 @@ each call, so weights are read from the model being served, not from the file.
 It is used where a graph has static shapes only: with the paged decode op the block tables
 are passed at their full width (the op reads only up to each context length), since a
 dynamic dimension marked for `aot_compile` was lost (the loaded graph failed its guards).
-Frozen (half-precision) graphs hold their weights as constants, so they are not stored.
 
 A file is named by everything its graph depends on (`graph_key`): torch's version, the
 model's config and dtype, the input shapes, the thread count the kernels were generated for,
