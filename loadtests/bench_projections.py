@@ -1,6 +1,7 @@
 """One row's projection inside a compiled decode step: inductor's fused reduction against the
 C++ op of `kernels/cpu_dense.py`, by weight shape (`serving/model/linear.py` picks by size);
-then eagerly, as an engine computes its LM head after a step: oneDNN's product against the op.
+then eagerly, as an engine computes its LM head after a step: oneDNN's product against the op
+(bf16 only where the CPU computes it natively, as the engine packs it only there).
 
 Each graph runs eight projections of one shape, chained as a step's are (each output feeds
 the next), so a call's fixed cost is shared as in a real step; the two forms alternate within
@@ -16,6 +17,7 @@ import time
 import torch
 
 from kernels import cpu_dense
+from serving.model.dtype import is_supported
 
 # (rows of the weight, its columns): a decoder layer's qkv and o of the demo models, the MTP
 # layer's eh_proj, demo-highspeed's LM head, the benchmark shape's LM head.
@@ -91,21 +93,27 @@ def main() -> None:
             red, cpp = (statistics.median(times[name]) for name in ("reduction", "op"))
             name = ", ".join(str(d).removeprefix("torch.") for d in (dtype, x_dtype))
             print(f"| [{n}, {k}] | {name} | {red:.1f} | {cpp:.1f} | {cpp / red:.2f}x |")
-    print("\nEager, fp32: oneDNN over its blocked copy of the weight (an eager LM head's) against")
-    print("the C++ op over the weight as stored, us per projection")
-    print("| weight | oneDNN | C++ op | op / oneDNN |")
-    print("|---|---|---|---|")
+    print("\nEager, as an engine's LM head: oneDNN over its blocked copy of the weight")
+    print("(`linear.pack_onednn`) against the C++ op over the weight as stored, us per projection")
+    print("| weight | dtype | oneDNN | C++ op | op / oneDNN |")
+    print("|---|---|---|---|---|")
     for n, k in SHAPES:
-        g = torch.Generator().manual_seed(n + k)
-        ws = [torch.randn(n, k, generator=g) * k**-0.5 for _ in range(CHAIN)]
-        blocked = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
-        x = torch.randn(1, k, generator=g)
-        times = {"onednn": [], "op": []}
-        for _ in range(args.rounds):
-            times["onednn"].append(_us(lambda x=x, blocked=blocked: onednn(x, blocked)))
-            times["op"].append(_us(lambda x=x, ws=ws: op(x, ws)))
-        dnn, cpp = (statistics.median(times[name]) for name in ("onednn", "op"))
-        print(f"| [{n}, {k}] | {dnn:.1f} | {cpp:.1f} | {cpp / dnn:.2f}x |")
+        for dtype in (torch.bfloat16, torch.float32):
+            if not is_supported(dtype):
+                continue
+            g = torch.Generator().manual_seed(n + k)
+            ws = [(torch.randn(n, k, generator=g) * k**-0.5).to(dtype) for _ in range(CHAIN)]
+            blocked = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
+            x = torch.randn(1, k, generator=g).to(dtype)
+            times = {"onednn": [], "op": []}
+            for _ in range(args.rounds):
+                times["onednn"].append(_us(lambda x=x, blocked=blocked: onednn(x, blocked)))
+                times["op"].append(_us(lambda x=x, ws=ws: op(x, ws)))
+            dnn, cpp = (statistics.median(times[name]) for name in ("onednn", "op"))
+            name = str(dtype).removeprefix("torch.")
+            print(f"| [{n}, {k}] | {name} | {dnn:.1f} | {cpp:.1f} | {cpp / dnn:.2f}x |")
+    if not is_supported(torch.bfloat16):
+        print("(no bf16 rows: this CPU computes bf16 in fp32, and the engine packs no bf16 head)")
 
 
 if __name__ == "__main__":

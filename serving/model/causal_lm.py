@@ -309,7 +309,7 @@ def pack_for_inference(model: nn.Module, decoder_layers: bool = True) -> None:
     The embedding keeps its layout (its rows are gathered), and so does a head tied to it.
     So do the experts' stacks (3-D): inference steps of up to `moe.DENSE_OP_MAX_TOKENS`
     tokens run them in the C++ op, which reads them row-major.
-    An fp32 LM head on a CPU gets a copy in oneDNN's layout instead (`pack_onednn`).
+    An LM head on a CPU gets a copy in oneDNN's layout instead (`pack_onednn`).
     `decoder_layers=False` leaves the decoder layers and MTP layers as checkpoints lay them
     out, for compiled decode and draft steps, which read their projections and experts in
     place, row-major (`serving/model/linear.py`, `kernels/cpu_dense.py`).

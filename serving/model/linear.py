@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_dense
+from serving.model.dtype import is_supported
 
 # Compiled decode steps of at most this many rows project by the op or reduction (every
 # graph size).
@@ -32,36 +33,27 @@ def reduces(x: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    # oneDNN's blocked layout of an fp32 weight on a CPU (`pack_onednn`), read by eager calls
-    # of several rows.
+    # oneDNN's blocked layout of the weight on a CPU (`pack_onednn`), read by eager calls. One
+    # row against an fp32 weight (a lone stream's logits) goes through the dense op over the
+    # plain weight instead: faster for a small head, about even for a large one; against a
+    # bf16 weight oneDNN's blocked product is the faster (`loadtests/bench_projections.py`,
+    # eager section).
     onednn_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():
-            if self._one_row_by_op(x):
+        if self.onednn_weight is not None and not torch.compiler.is_compiling():
+            if (
+                x.numel() == x.shape[-1]
+                and self.weight.dtype == torch.float32
+                and self.weight.is_contiguous()
+                and cpu_dense.available()
+            ):
                 y = cpu_dense.dense_linear(x, self.weight)
                 return y if self.bias is None else y + self.bias
-            if self.onednn_weight is not None:
-                return torch.ops.mkldnn._linear_pointwise(
-                    x, self.onednn_weight, self.bias, "none", [], ""
-                )
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.onednn_weight, self.bias, "none", [], ""
+            )
         return linear(x, self.weight, self.bias)
-
-    def _one_row_by_op(self, x: torch.Tensor) -> bool:
-        """An eager inference call of one row (a lone stream's logits) over an fp32 weight
-        with a oneDNN copy, or a bf16 one: the dense op over the weight as stored is faster
-        than oneDNN's product for a small head, about even for a large one
-        (`loadtests/bench_projections.py`, eager section), and spares a weight held narrower
-        than x its widening each call."""
-        w = self.weight
-        return (
-            x.numel() == x.shape[-1]
-            and not torch.is_grad_enabled()
-            and (self.onednn_weight is not None or w.dtype == torch.bfloat16)
-            and w.device.type == "cpu"
-            and w.is_contiguous()
-            and cpu_dense.available()
-        )
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,11 +68,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 def pack_onednn(linear: Linear) -> None:
-    """Give an fp32 CPU projection a copy of its weight in oneDNN's blocked layout, which
-    oneDNN's product reads at decode sizes faster than MKL reads a row-major or transposed
-    weight (`loadtests/bench_gemm.py`). It is what inductor's freezing does to fp32 linears;
-    eager code gets it here. Inference only: the copy is opaque to autograd and to every other op,
-    so a weight shared with another module (a tied embedding) stays and the copy is extra."""
+    """Give a CPU projection in fp32, or in bf16 where the CPU computes it natively, a copy of
+    its weight in oneDNN's blocked layout, which oneDNN's product reads at decode sizes faster
+    than MKL reads a row-major or transposed weight, and than oneDNN itself reads one
+    (`loadtests/bench_gemm.py`, `loadtests/bench_projections.py`). It is what inductor's
+    freezing does to linears; eager code gets it here. Inference only: the copy is opaque to
+    autograd and to every other op, so a weight shared with another module (a tied
+    embedding) stays and the copy is extra."""
     w = linear.weight
-    if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+    if (
+        w.device.type == "cpu"
+        and w.dtype in (torch.float32, torch.bfloat16)
+        and is_supported(w.dtype)
+        and torch.backends.mkldnn.is_available()
+    ):
         linear.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach())

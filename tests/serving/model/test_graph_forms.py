@@ -18,6 +18,7 @@ from serving.model.attention import (
 )
 from serving.model.causal_lm import CausalLM, pack_for_inference
 from serving.model.config import ModelConfig
+from serving.model.dtype import is_supported
 from serving.model.linear import Linear, pack_onednn, reduces
 from tests.tiny_models import TINY_MOE
 
@@ -50,7 +51,8 @@ def test_compiled_projection_is_the_linear(rows: int):
 @pytest.mark.parametrize("rows", [1, 4, 16, 300])
 def test_onednn_projection_is_the_linear(rows: int):
     """An fp32 projection packed for oneDNN gives the product, eagerly; traced for a decode
-    graph it is still the reduction over the plain weight; half precision is not packed."""
+    graph it is still the reduction over the plain weight. bf16 is packed only where the CPU
+    computes it natively, and then gives bf16's product; fp16 is not."""
     assert torch.backends.mkldnn.is_available()  # every x86 CPU build of torch has it
     g = torch.Generator().manual_seed(rows)
     layer = Linear(48, 80, bias=True)
@@ -67,9 +69,15 @@ def test_onednn_projection_is_the_linear(rows: int):
         if rows <= 32:
             compiled = torch.compile(layer, dynamic=False, fullgraph=True)
             torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-4)
-    half = Linear(48, 80, bias=False).to(torch.bfloat16)
+    half = Linear(48, 80, bias=True).to(torch.bfloat16)
     pack_onednn(half)
-    assert half.onednn_weight is None
+    assert (half.onednn_weight is not None) == is_supported(torch.bfloat16)
+    with torch.inference_mode():
+        x = x.bfloat16()
+        torch.testing.assert_close(half(x), F.linear(x, half.weight, half.bias))
+    fp16 = Linear(48, 80, bias=False).to(torch.float16)
+    pack_onednn(fp16)
+    assert fp16.onednn_weight is None
 
 
 def test_one_row_of_a_onednn_packed_projection_is_the_dense_op(monkeypatch):
