@@ -88,13 +88,34 @@ def grouped_experts(
     else:
         out = torch.empty_like(xs)
         start = 0
+        multiple = TRAINING_SEGMENT_ROWS if _trains_through_onednn(x) else 1
         for e, n in enumerate(counts.tolist()):
             if n:
                 seg = slice(start, start + n)
                 w1, w2 = gate_up[e].to(x.dtype), down[e].to(x.dtype)
-                out[seg] = silu_and_mul(xs[seg] @ w1.t()) @ w2.t()
+                rows = xs[seg]
+                if n % multiple:  # zero rows, whose outputs are zero and cut off
+                    rows = F.pad(rows, (0, 0, 0, -n % multiple))
+                out[seg] = (silu_and_mul(rows @ w1.t()) @ w2.t())[:n]
                 start += n
     return torch.zeros_like(x).index_add_(0, token_of, out * slot_weights)
+
+
+# A training step's expert slices in half precision on a CPU are padded to a multiple of this
+# many rows. oneDNN, which computes them, builds a kernel for every new product shape (a few
+# hundred microseconds, more than the product itself here) and keeps the shapes it has seen;
+# a step's slices take new row counts every step, so nearly every product paid for a build
+# (`loadtests/bench_train_step.py`). Padded, the shapes recur. fp32 goes to MKL, which builds
+# nothing, and inference steps' slices are few rows, whose shapes all recur anyway.
+TRAINING_SEGMENT_ROWS = 64
+
+
+def _trains_through_onednn(x: torch.Tensor) -> bool:
+    return (
+        torch.is_grad_enabled()
+        and x.device.type == "cpu"
+        and (x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"))
+    )
 
 
 def gathered_experts(

@@ -4,8 +4,10 @@ form that training and longer steps run."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import cpu_dense
+from serving.model import moe
 from serving.model.causal_lm import CausalLM, pack_for_inference
 from serving.model.config import ModelConfig
 from serving.model.moe import DENSE_OP_MAX_TOKENS, gathered_experts, grouped_experts, route
@@ -82,3 +84,49 @@ def test_inference_steps_run_their_experts_in_the_dense_op_up_to_its_limit(monke
             want = grouped_experts(x, weights, ids, moe.gate_up, moe.down)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert tokens_in_op == [2, DENSE_OP_MAX_TOKENS]
+
+
+class ProductShapes(TorchDispatchMode):
+    """The [rows, K] shapes of the first operands of the matrix products run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.rows.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_half_precision_training_step_pads_the_expert_slices(monkeypatch, autocast: bool):
+    """Under bf16 autocast (or in bf16), with gradients, each expert's products run over its
+    slice padded to `TRAINING_SEGMENT_ROWS` (the shapes recur, so oneDNN builds no new
+    kernel), and the outputs and gradients are those of the exact slices; fp32 is not padded."""
+    g = torch.Generator().manual_seed(0)
+    experts, hidden, inter, top_k, tokens = 8, 64, 48, 2, 1000  # past the batched form
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).requires_grad_()
+    down = (torch.randn(experts, hidden, inter, generator=g) * 0.2).requires_grad_()
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = route(torch.randn(tokens, experts, generator=g), top_k, True)
+    if not autocast:
+        x, weights = x.bfloat16(), weights.bfloat16()
+
+    def step() -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast), ProductShapes() as seen:
+            y = grouped_experts(x, weights, ids, gate_up, down)
+        grads = torch.autograd.grad(y.float().square().sum(), [gate_up, down])
+        return y, seen.rows, grads
+
+    y, rows, grads = step()
+    assert rows and all(r % moe.TRAINING_SEGMENT_ROWS == 0 for r in rows)
+    monkeypatch.setattr(moe, "TRAINING_SEGMENT_ROWS", 1)
+    exact_y, exact_rows, exact_grads = step()
+    assert sum(exact_rows) == 2 * tokens * top_k  # gate_up and down over every slot
+    torch.testing.assert_close(y, exact_y, rtol=1e-2, atol=1e-2)
+    for got, want in zip(grads, exact_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    with ProductShapes() as seen:  # fp32, with gradients: exact slices
+        grouped_experts(x.float(), weights.float(), ids, gate_up, down)
+    assert sum(seen.rows) == 2 * tokens * top_k
