@@ -70,9 +70,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 def pack_onednn(linear: Linear) -> None:
     """Give a CPU projection in fp32, or in bf16 where the CPU computes it natively, a copy of
     its weight in oneDNN's blocked layout, which oneDNN's product reads at decode sizes faster
-    than MKL reads a row-major or transposed weight, and than oneDNN itself reads one
-    (`loadtests/bench_gemm.py`, `loadtests/bench_projections.py`). It is what inductor's
-    freezing does to linears; eager code gets it here. Inference only: the copy is opaque to
+    than MKL reads an fp32 weight as stored (`loadtests/bench_gemm.py`), and than oneDNN reads
+    a bf16 one as stored. It is what inductor's freezing does to linears; eager code gets it
+    here. Inference only: the copy is opaque to
     autograd and to every other op, so a weight shared with another module (a tied
     embedding) stays and the copy is extra."""
     w = linear.weight

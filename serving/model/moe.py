@@ -37,6 +37,24 @@ def route(
     return weights, experts
 
 
+# A training step's expert slices in half precision on a CPU are padded to a multiple of this
+# many rows. oneDNN, which computes them, builds a kernel for every new product shape (at
+# these sizes costlier than the product itself) and keeps the shapes it has seen; a step's
+# slices take new row counts every step, so nearly every product paid for a build
+# (`loadtests/bench_train_step.py`). Padded, the shapes recur. fp32 goes to MKL, which builds
+# nothing; an inference step's slices, smaller and without a backward pass, ran no faster
+# padded.
+TRAINING_SEGMENT_ROWS = 64
+
+
+def _trains_through_onednn(x: torch.Tensor) -> bool:
+    return (
+        torch.is_grad_enabled()
+        and x.device.type == "cpu"
+        and (x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"))
+    )
+
+
 def grouped_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -99,23 +117,6 @@ def grouped_experts(
                 out[seg] = (silu_and_mul(rows @ w1.t()) @ w2.t())[:n]
                 start += n
     return torch.zeros_like(x).index_add_(0, token_of, out * slot_weights)
-
-
-# A training step's expert slices in half precision on a CPU are padded to a multiple of this
-# many rows. oneDNN, which computes them, builds a kernel for every new product shape (a few
-# hundred microseconds, more than the product itself here) and keeps the shapes it has seen;
-# a step's slices take new row counts every step, so nearly every product paid for a build
-# (`loadtests/bench_train_step.py`). Padded, the shapes recur. fp32 goes to MKL, which builds
-# nothing, and inference steps' slices are few rows, whose shapes all recur anyway.
-TRAINING_SEGMENT_ROWS = 64
-
-
-def _trains_through_onednn(x: torch.Tensor) -> bool:
-    return (
-        torch.is_grad_enabled()
-        and x.device.type == "cpu"
-        and (x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"))
-    )
 
 
 def gathered_experts(

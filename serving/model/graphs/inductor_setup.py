@@ -36,12 +36,12 @@ def inductor_config() -> contextlib.AbstractContextManager:
     (`loadtests/profile_decode.py`). The C++ wrapper calls the ops through the dispatcher and
     releases the GIL for the whole step itself.
 
-    No freezing: a half-precision step's products are the dense C++ ops as an fp32 step's
-    (`serving/model/linear.py`), not oneDNN's bf16 products, whose fixed cost a call was most
-    of a one-stream step and which only frozen weights repacked for inductor's GEMM templates
-    avoided, at the price of a packed copy of the weights in each graph and of graphs that
-    neither inductor's AOT autograd cache nor `precompiled`'s store would keep. The config is
-    process-wide, so it is set only while this thread compiles."""
+    No freezing: a half-precision step's products are the dense C++ ops, as an fp32 step's
+    are (`serving/model/linear.py`). Its products as oneDNN's bf16 calls cost most of a
+    one-stream step in their fixed cost a call, and inductor's own GEMMs, which spare it,
+    need the weights frozen into each graph: a packed copy of them in every graph, and graphs
+    that neither inductor's AOT autograd cache nor `precompiled`'s store would keep. The
+    config is process-wide, so it is set only while this thread compiles."""
     from torch._inductor import config  # imported in the compile thread, as dynamo is
 
     return config.patch({"size_asserts": False, "alignment_asserts": False, "cpp_wrapper": True})
