@@ -39,7 +39,7 @@ import aiohttp
 import httpx
 import torch
 
-from loadtests.bench_api import PROMPT_TOKENS, run_api
+from loadtests.bench_api import PROMPT_TOKENS, run_api, warm
 from loadtests.bench_engine import build_checkpoint, make_prompts
 from serving.gateway.upstream import free_port
 from serving.model.dtype import is_supported
@@ -146,16 +146,6 @@ def servers(args: argparse.Namespace, checkpoint: Path, work: Path) -> list[Serv
             vllm_env = env | {"VLLM_CPU_KVCACHE_SPACE": "1"}
             rows.append(Server(f"vLLM CPU build, {precision}", precision, command, vllm_env))
     return rows
-
-
-def warm(health: httpx.Response) -> bool:
-    """200 and nothing compiling: our engine answers 200 once one stream runs at full speed,
-    with a `warmup` body while its other batch sizes still compile in the background."""
-    if health.status_code != 200:
-        return False
-    with contextlib.suppress(ValueError):  # vLLM's 200 has no body
-        return "warmup" not in health.json()
-    return True
 
 
 @contextlib.contextmanager

@@ -6,8 +6,8 @@ import json
 
 import httpx
 
-from loadtests.bench_api import run_api
-from loadtests.bench_peers import Server, table, warm
+from loadtests.bench_api import run_api, warm
+from loadtests.bench_peers import Server, table
 
 
 def test_warm_waits_for_our_background_compiles_and_takes_a_bodiless_200():
