@@ -67,12 +67,14 @@ def start_server(
         proc.terminate()
         raise SystemExit(str(e)) from None
     ready = time.monotonic() - start
-    while not warm(httpx.get(f"{url}/health", timeout=2)):
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if warm(httpx.get(f"{url}/health", timeout=2)):
+                return proc, ready
         if proc.poll() is not None or time.monotonic() - start > 900:
             proc.terminate()
             raise SystemExit(f"the server did not finish compiling; see {log}")
         time.sleep(0.5)
-    return proc, ready
 
 
 def warm(health: httpx.Response) -> bool:

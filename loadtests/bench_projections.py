@@ -13,6 +13,7 @@ each round and the median of the rounds is printed, per projection, with the rat
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -65,6 +66,22 @@ def _us(fn, calls: int = 500) -> float:
     return (time.perf_counter() - start) / calls / CHAIN * 1e6
 
 
+def _operands(n: int, k: int, dtype: torch.dtype, x_dtype: torch.dtype):
+    """`CHAIN` weights [n, k] of `dtype` and one row of `x_dtype`, the same for a shape."""
+    g = torch.Generator().manual_seed(n + k)
+    ws = [(torch.randn(n, k, generator=g) * k**-0.5).to(dtype) for _ in range(CHAIN)]
+    return ws, torch.randn(1, k, generator=g).to(x_dtype)
+
+
+def _medians(forms: dict[str, Callable[[], object]], rounds: int) -> list[float]:
+    """us per projection of each form, alternating within each round, medians."""
+    times: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(rounds):
+        for name, form in forms.items():
+            times[name].append(_us(form))
+    return [statistics.median(t) for t in times.values()]
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -80,17 +97,13 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for n, k in SHAPES:
         for dtype, x_dtype in DTYPES:
-            g = torch.Generator().manual_seed(n + k)
-            ws = [(torch.randn(n, k, generator=g) * k**-0.5).to(dtype) for _ in range(CHAIN)]
-            x = torch.randn(1, k, generator=g).to(x_dtype)
-            forms = {f: torch.compile(f, dynamic=False, fullgraph=True) for f in (reduction, op)}
-            times: dict[str, list[float]] = {f.__name__: [] for f in forms}
-            for compiled in forms.values():
+            ws, x = _operands(n, k, dtype, x_dtype)
+            forms = {}
+            for f in (reduction, op):
+                compiled = torch.compile(f, dynamic=False, fullgraph=True)
                 compiled(x, ws)
-            for _ in range(args.rounds):
-                for f, compiled in forms.items():
-                    times[f.__name__].append(_us(lambda c=compiled, x=x, ws=ws: c(x, ws)))
-            red, cpp = (statistics.median(times[name]) for name in ("reduction", "op"))
+                forms[f.__name__] = lambda c=compiled, x=x, ws=ws: c(x, ws)
+            red, cpp = _medians(forms, args.rounds)
             name = ", ".join(str(d).removeprefix("torch.") for d in (dtype, x_dtype))
             print(f"| [{n}, {k}] | {name} | {red:.1f} | {cpp:.1f} | {cpp / red:.2f}x |")
     print("\nEager, as an engine's LM head: oneDNN over its blocked copy of the weight")
@@ -101,15 +114,13 @@ def main() -> None:
         for dtype in (torch.bfloat16, torch.float32):
             if not is_supported(dtype):
                 continue
-            g = torch.Generator().manual_seed(n + k)
-            ws = [(torch.randn(n, k, generator=g) * k**-0.5).to(dtype) for _ in range(CHAIN)]
+            ws, x = _operands(n, k, dtype, dtype)
             blocked = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
-            x = torch.randn(1, k, generator=g).to(dtype)
-            times = {"onednn": [], "op": []}
-            for _ in range(args.rounds):
-                times["onednn"].append(_us(lambda x=x, blocked=blocked: onednn(x, blocked)))
-                times["op"].append(_us(lambda x=x, ws=ws: op(x, ws)))
-            dnn, cpp = (statistics.median(times[name]) for name in ("onednn", "op"))
+            forms = {
+                "onednn": lambda x=x, b=blocked: onednn(x, b),
+                "op": lambda x=x, ws=ws: op(x, ws),
+            }
+            dnn, cpp = _medians(forms, args.rounds)
             name = str(dtype).removeprefix("torch.")
             print(f"| [{n}, {k}] | {name} | {dnn:.1f} | {cpp:.1f} | {cpp / dnn:.2f}x |")
     if not is_supported(torch.bfloat16):

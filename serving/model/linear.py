@@ -72,9 +72,8 @@ def pack_onednn(linear: Linear) -> None:
     its weight in oneDNN's blocked layout, which oneDNN's product reads at decode sizes faster
     than MKL reads an fp32 weight as stored (`loadtests/bench_gemm.py`), and than oneDNN reads
     a bf16 one as stored. It is what inductor's freezing does to linears; eager code gets it
-    here. Inference only: the copy is opaque to
-    autograd and to every other op, so a weight shared with another module (a tied
-    embedding) stays and the copy is extra."""
+    here. Inference only: the copy is opaque to autograd and to every other op, so a weight
+    shared with another module (a tied embedding) stays and the copy is extra."""
     w = linear.weight
     if (
         w.device.type == "cpu"

@@ -68,8 +68,10 @@ def test_inference_steps_run_their_experts_in_the_dense_op_up_to_its_limit(monke
     model = CausalLM(config)
     model.init_weights()
     pack_for_inference(model.eval())
-    moe = model.layers[0].mlp
-    assert moe.gate_up.is_contiguous() and moe.down.is_contiguous()  # row-major, as the op reads
+    layer = model.layers[0].mlp
+    assert (
+        layer.gate_up.is_contiguous() and layer.down.is_contiguous()
+    )  # row-major, as the op reads
     tokens_in_op: list[int] = []
     op = cpu_dense.dense_moe
     monkeypatch.setattr(
@@ -79,9 +81,9 @@ def test_inference_steps_run_their_experts_in_the_dense_op_up_to_its_limit(monke
     for tokens, training in [(2, False), (DENSE_OP_MAX_TOKENS, False), (65, False), (8, True)]:
         x = torch.randn(tokens, config.hidden_size, generator=g)
         with torch.set_grad_enabled(training):
-            got = moe(x)
-            weights, ids = route(moe.gate(x), moe.top_k, moe.norm_topk_prob)
-            want = grouped_experts(x, weights, ids, moe.gate_up, moe.down)
+            got = layer(x)
+            weights, ids = route(layer.gate(x), layer.top_k, layer.norm_topk_prob)
+            want = grouped_experts(x, weights, ids, layer.gate_up, layer.down)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert tokens_in_op == [2, DENSE_OP_MAX_TOKENS]
 
