@@ -94,10 +94,15 @@ def process_tree(pid: int) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
+# What a process stopped by SIGSTOP reports, or one that exited meanwhile.
+STILL = {psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD}
+
+
 @contextlib.contextmanager
 def stopped(pid: int) -> Iterator[None]:
     """The process and every process below it stopped (SIGSTOP), continued after. Stopped
-    from the top, again until no new one appears: a stopped parent starts no child."""
+    from the top, again until no new one appears: a stopped parent starts no child. A signal
+    is delivered a moment after it is sent, so this yields once each one reports stopped."""
     done: list[psutil.Process] = []
     try:
         while new := [p for p in process_tree(pid) if p not in done]:
@@ -105,6 +110,10 @@ def stopped(pid: int) -> Iterator[None]:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.suspend()
                 done.append(p)
+        for p in done:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                while p.status() not in STILL:
+                    time.sleep(0.001)
         yield
     finally:
         for p in reversed(done):
