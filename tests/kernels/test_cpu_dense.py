@@ -134,6 +134,18 @@ def test_the_ops_refuse_what_they_cannot_read():
         torch.ops.tierserve_dense.linear(x, down[0].t())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_gets_the_same_bits_whatever_rows_are_beside_it(dtype):
+    """A batch gives each sequence what it gets alone: every tile of rows and of weight rows
+    sums in one order. 37 weight rows end in a partial tile, K = 70 in a partial vector."""
+    w = randn(37, 70, seed=3, dtype=dtype)
+    x = randn(13, 70, seed=4)
+    batch = cpu_dense.dense_linear(x, w)
+    for i in range(13):
+        assert torch.equal(cpu_dense.dense_linear(x[i : i + 1], w)[0], batch[i])
+        assert torch.equal(cpu_dense.dense_linear(x[i:], w)[0], batch[i])
+
+
 def test_threads_split_the_rows_without_changing_a_bit():
     gate_up, down = randn(16, 768, 256, seed=9), randn(16, 256, 384, seed=10)
     x = randn(32, 256, seed=11)
