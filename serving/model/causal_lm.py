@@ -131,6 +131,7 @@ class Attention(nn.Module):
                 k.transpose(1, 2),
                 v.transpose(1, 2),
                 attn_mask=mask,
+                is_causal=mask is None,
                 scale=self.scale,
                 enable_gqa=True,
             ).transpose(1, 2)
@@ -328,13 +329,18 @@ def pack_for_inference(model: nn.Module, decoder_layers: bool = True) -> None:
 
 def causal_mask(
     length: int, padding_mask: torch.Tensor | None, device: torch.device
-) -> torch.Tensor:
-    """[B or 1, 1, L, L] boolean: causal, and hiding padded keys.
+) -> torch.Tensor | None:
+    """[B, 1, L, L] boolean: causal, and hiding padded keys; None where causal alone hides
+    them: no padding, or each row's padding after its tokens (right padding), which no real
+    token's query reaches. Attention then runs SDPA's `is_causal`, whose CPU and GPU kernels
+    skip the blocks above the diagonal instead of reading a mask
+    (`loadtests/bench_train_step.py`). Padded queries then see the padding before them, which
+    changes only their own outputs, and every loss leaves those out.
 
     A fully padded query row would make softmax NaN, so each query may always see itself.
     """
+    if padding_mask is None or bool((padding_mask[:, 1:] <= padding_mask[:, :-1]).all()):
+        return None
     causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    if padding_mask is None:
-        return causal[None, None]
     mask = causal[None, None] & padding_mask[:, None, None, :].bool()
     return mask | torch.eye(length, dtype=torch.bool, device=device)[None, None]
