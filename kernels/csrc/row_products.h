@@ -14,6 +14,7 @@
 //   float at(k): weight k, for the tail of a row that is not whole vectors,
 //   void prefetch(k, ahead): asks for the weights at k of the row `ahead` rows further,
 //   float row_scale: a factor of the row's sums (NVFP4's tensor scale, else 1),
+//   static bool kStateful: whether `load` changes the reader (an FP4 block's table),
 // and the products, the experts' grouping and their element-wise steps are written once.
 
 #pragma once
@@ -31,66 +32,118 @@
 
 namespace tierserve {
 
-// Activation rows that share one load of a weight vector (two sums each in registers).
+// Activation rows that share one load of a weight vector.
 constexpr int64_t kMaxTile = 6;
 // Weight rows a work item takes: enough work to be worth a thread's turn.
 constexpr int64_t kRowGroup = 4;
 
-// y[r * ldy] = row_scale * x_r . w for R activation rows x_r = x + r * ldx and one weight row.
-// The row is read front to back, as memory lies (rows read side by side, a few KB each, are
-// streams too short for the hardware to prefetch, and ran at about half the bandwidth), and
-// each weight vector goes into every activation row's sums. Each row has two sums, over the
-// even and the odd vectors, so the fused multiply-adds of even one row do not all wait on one
-// another; every row of every tile is summed in this same order, so a row's result does not
-// depend on the rows beside it (a batch gives each sequence what it gets alone).
-template <int64_t R, class Row>
-inline void dot_tile(const float* x, int64_t ldx, Row w, int64_t K, float* y, int64_t ldy) {
-  Vec even[R], odd[R];
-  for (int64_t r = 0; r < R; ++r) even[r] = odd[r] = Vec{};
+// How a tile keeps its fused multiply-adds from waiting on one another: each activation
+// vector, once loaded, goes into the sums of W weight rows, and each sum is kChains<W> chains
+// (over alternate vectors of the row). An FP4 row on AVX-512 (32 registers): four weight rows
+// side by side, one chain each (with kMaxTile rows, 24 sums), which shares each activation
+// vector's load among more of the decoding's work; every other row: one weight row, two
+// chains (four weight rows of dense rows ran the engine a third slower at 4 and 16 streams,
+// `loadtests/bench_engine.py`, though each op alone ran no slower).
+template <class Row>
+constexpr int64_t kWeightTile = kLanes == 16 && Row::kStateful ? 4 : 1;
+template <int64_t W>
+constexpr int64_t kChains = W == 1 ? 2 : 1;
+
+// The N vectors of each weight row from k into chains 0 .. N - 1 of every sum: all N
+// loaded first, then each activation vector into its sums. N a constant, so the sums stay
+// in registers.
+template <int64_t N, int64_t R, int64_t W, class Row>
+[[gnu::always_inline]] inline void chain_step(const float* x, int64_t ldx, Row* w, int64_t k,
+                                              Vec (&sums)[R][W][kChains<W>]) {
+  Vec v[N][W];
+  for (int64_t c = 0; c < N; ++c)
+    for (int64_t j = 0; j < W; ++j) {
+      w[j].prefetch(k + c * kLanes, kRowGroup);  // the rows the next work item reads
+      v[c][j] = w[j].load(k + c * kLanes);
+    }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < N; ++c) {
+      const Vec xv = loadu(x + r * ldx + k + c * kLanes);
+      for (int64_t j = 0; j < W; ++j) sums[r][j][c] = fmadd(xv, v[c][j], sums[r][j][c]);
+    }
+}
+
+// y[r * ldy + j] = row_scale_j * x_r . w_j for R activation rows x_r = x + r * ldx and W
+// weight rows w_j. Each row is read front to back, as memory lies (rows read side by side, a
+// few KB each, are streams too short for the hardware to prefetch, and ran at about half the
+// bandwidth), and each weight vector goes into every activation row's sums. Every sum is
+// summed in one order (its chains over the row's vectors, the chains added, their lanes,
+// then the tail) in every tile, so a row's result does not depend on the rows beside it (a
+// batch gives each sequence what it gets alone).
+template <int64_t R, int64_t W, class Row>
+[[gnu::always_inline]] inline void dot_tile_of(const float* x, int64_t ldx, Row* w, int64_t K,
+                                               float* y, int64_t ldy) {
+  constexpr int64_t C = kChains<W>;
+  Vec sums[R][W][C];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < W; ++j)
+      for (int64_t c = 0; c < C; ++c) sums[r][j][c] = Vec{};
   const int64_t whole = K - K % kLanes;
   int64_t k = 0;
-  for (; k + 2 * kLanes <= whole; k += 2 * kLanes) {
-    w.prefetch(k, 4);  // four rows ahead, which the next tiles read
-    w.prefetch(k + kLanes, 4);
-    const Vec v0 = w.load(k), v1 = w.load(k + kLanes);
-    for (int64_t r = 0; r < R; ++r) {
-      even[r] = fmadd(loadu(x + r * ldx + k), v0, even[r]);
-      odd[r] = fmadd(loadu(x + r * ldx + k + kLanes), v1, odd[r]);
-    }
-  }
-  if (k < whole) {
-    const Vec v = w.load(k);
-    for (int64_t r = 0; r < R; ++r) even[r] = fmadd(loadu(x + r * ldx + k), v, even[r]);
-  }
+  for (; k + C * kLanes <= whole; k += C * kLanes) chain_step<C>(x, ldx, w, k, sums);
+  if constexpr (C == 2)
+    if (k < whole) chain_step<1>(x, ldx, w, k, sums);  // one vector left over
   // The tail of a row that is not whole vectors, lane by lane.
-  for (int64_t r = 0; r < R; ++r) {
-    float sum = lane_sum(even[r] + odd[r]);
-    for (int64_t i = whole; i < K; ++i) sum += x[r * ldx + i] * w.at(i);
-    y[r * ldy] = sum * w.row_scale;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < W; ++j) {
+      Vec total = sums[r][j][0];
+      for (int64_t c = 1; c < C; ++c) total = total + sums[r][j][c];
+      float sum = lane_sum(total);
+      for (int64_t i = whole; i < K; ++i) sum += x[r * ldx + i] * w[j].at(i);
+      y[r * ldy + j] = sum * w[j].row_scale;
+    }
+}
+
+// A reader with state (an FP4 row's block table) is copied into the tile, where its state
+// stays in registers; a stateless one is read where it lies (copies of the dense rows
+// measured slower). The tile's steps are inlined by force: left to itself, GCC called them,
+// and an FP4 row's table went to memory at every block.
+template <int64_t R, int64_t W, class Row>
+inline void dot_tile(const float* x, int64_t ldx, const Row* rows, int64_t K, float* y,
+                     int64_t ldy) {
+  if constexpr (Row::kStateful) {
+    Row copies[W];
+    for (int64_t j = 0; j < W; ++j) copies[j] = rows[j];
+    dot_tile_of<R, W>(x, ldx, copies, K, y, ldy);
+  } else {
+    dot_tile_of<R, W>(x, ldx, const_cast<Row*>(rows), K, y, ldy);
   }
 }
 
-// y[r * ldy + j] for `rows` rows of x (stride ldx) against n weight rows w_j, one weight row
-// at a time, in tiles of up to kMaxTile rows: a weight row is read from memory once and from
-// L1 by the following tiles.
+// The tiles of R activation rows against W weight rows: up to kMaxTile rows a tile.
+template <int64_t W, class Row>
+void dot_weight_tile(const float* x, int64_t ldx, int64_t rows, const Row* w, int64_t K,
+                     float* y, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + kMaxTile <= rows; r += kMaxTile)
+    dot_tile<kMaxTile, W>(x + r * ldx, ldx, w, K, y + r * ldy, ldy);
+  const float* xr = x + r * ldx;
+  float* yr = y + r * ldy;
+  switch (rows - r) {
+    case 1: dot_tile<1, W>(xr, ldx, w, K, yr, ldy); break;
+    case 2: dot_tile<2, W>(xr, ldx, w, K, yr, ldy); break;
+    case 3: dot_tile<3, W>(xr, ldx, w, K, yr, ldy); break;
+    case 4: dot_tile<4, W>(xr, ldx, w, K, yr, ldy); break;
+    case 5: dot_tile<5, W>(xr, ldx, w, K, yr, ldy); break;
+    default: break;
+  }
+}
+
+// y[r * ldy + j] for `rows` rows of x (stride ldx) against n weight rows w_j, kWeightTile
+// weight rows at a time (the last few one by one), in tiles of up to kMaxTile activation
+// rows: the weight rows are read from memory once and from L1 by the following tiles.
 template <class Row>
 void dot_rows(const float* x, int64_t ldx, int64_t rows, const Row* w, int64_t n, int64_t K,
               float* y, int64_t ldy) {
-  for (int64_t j = 0; j < n; ++j) {
-    int64_t r = 0;
-    for (; r + kMaxTile <= rows; r += kMaxTile)
-      dot_tile<kMaxTile>(x + r * ldx, ldx, w[j], K, y + r * ldy + j, ldy);
-    const float* xr = x + r * ldx;
-    float* yr = y + r * ldy + j;
-    switch (rows - r) {
-      case 1: dot_tile<1>(xr, ldx, w[j], K, yr, ldy); break;
-      case 2: dot_tile<2>(xr, ldx, w[j], K, yr, ldy); break;
-      case 3: dot_tile<3>(xr, ldx, w[j], K, yr, ldy); break;
-      case 4: dot_tile<4>(xr, ldx, w[j], K, yr, ldy); break;
-      case 5: dot_tile<5>(xr, ldx, w[j], K, yr, ldy); break;
-      default: break;
-    }
-  }
+  int64_t j = 0;
+  constexpr int64_t W = kWeightTile<Row>;
+  for (; j + W <= n; j += W) dot_weight_tile<W>(x, ldx, rows, w + j, K, y + j, ldy);
+  for (; j < n; ++j) dot_weight_tile<1>(x, ldx, rows, w + j, K, y + j, ldy);
 }
 
 // A group's rows of activations: rows [begin, begin + count) of x against matrix group g.
