@@ -53,13 +53,15 @@ WIDE_WEIGHT_ROWS = 2048
 def runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether the ops take these activations and weights: activations of a float dtype and
     contiguous weights of a dtype they read, all on the CPU, the ops built; and more than one
-    row, or one row against bf16 weights that are wide (`WIDE_WEIGHT_ROWS`) or computed in
-    half precision. Otherwise a single row reads each weight once however it is written, and
-    inductor's fused reduction spares the op's call and fuses with its neighbours."""
+    row, or one row against bf16 weights (projections or experts) computed in half precision,
+    or a wide bf16 projection (`WIDE_WEIGHT_ROWS`). Otherwise a single row reads each weight
+    once however it is written, and inductor's fused reduction spares the op's call and fuses
+    with its neighbours. One bf16 row's experts ran faster in the op than the fused reduction
+    over its gathered experts (`moe.gathered_experts`), in a one-stream step too
+    (`loadtests/profile_decode.py`)."""
     one_row = all(
-        w.dim() == 2
-        and w.dtype == torch.bfloat16
-        and (w.shape[0] >= WIDE_WEIGHT_ROWS or x.dtype != torch.float32)
+        w.dtype == torch.bfloat16
+        and (x.dtype != torch.float32 or (w.dim() == 2 and w.shape[0] >= WIDE_WEIGHT_ROWS))
         for w in weights
     )
     return (

@@ -128,8 +128,8 @@ def gathered_experts(
 ) -> torch.Tensor:
     """`grouped_experts` written for a compiled decode step (at most 32 tokens), where the C++
     op that reads each used expert once a step (`kernels/cpu_dense.py`) does not run: a single
-    token (which reads its experts once either way), an op that was not built, or weights
-    neither fp32 nor bf16.
+    token in fp32 (which reads its experts once either way), an op that was not built, or
+    weights neither fp32 nor bf16.
 
     Each token's expert weights are indexed and reduced against it in fp32, which inductor
     fuses into one loop that reads the indexed weights in place (no gathered copy), row-major

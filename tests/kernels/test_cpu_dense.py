@@ -58,6 +58,9 @@ def test_the_ops_run_for_more_than_one_row_of_what_they_read():
     assert not cpu_dense.runs(randn(1, 64, seed=1), w)  # one row: the fused reduction
     head = randn(cpu_dense.WIDE_WEIGHT_ROWS, 64, seed=2)
     assert cpu_dense.runs(randn(1, 64, seed=1), head.bfloat16())  # but a bf16 LM head: the op
+    experts = randn(4, 16, 64, seed=3).bfloat16()
+    assert cpu_dense.runs(randn(1, 64, seed=1).bfloat16(), experts)  # and bf16 rows' experts
+    assert not cpu_dense.runs(randn(1, 64, seed=1), experts)
     assert not cpu_dense.runs(randn(1, 64, seed=1), head)
     assert not cpu_dense.runs(randn(1, 64, seed=1), head[:-1].bfloat16())
     # Half-precision activations are widened for the op; one row of them against any bf16
