@@ -22,6 +22,7 @@ import ast
 import json
 import random
 import secrets
+import threading
 from typing import Any
 
 from tasks.answers import extract_program, reasoning_block
@@ -211,11 +212,24 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
+# CPython 3.11 keeps the AST constructor's recursion depth in interpreter-wide state, and
+# `ast.parse` on two threads at once failed with "SystemError: AST constructor recursion
+# depth mismatch" (python/cpython#106905): the data pipeline verifies reference answers on
+# threads of its own.
+_AST_LOCK = threading.Lock()
+
+
+def parse_python(source: str) -> ast.Module:
+    """`ast.parse`, one thread at a time."""
+    with _AST_LOCK:
+        return ast.parse(source)
+
+
 def verify(task: Task, completion: str) -> Verdict:
     """Run the candidate on the hidden tests in the sandbox and compare here."""
     program = extract_program(completion)
     try:
-        ast.parse(program)
+        parse_python(program)
     except SyntaxError as e:
         return Verdict(0.0, f"syntax error (line {e.lineno}: {e.msg})")
     except ValueError as e:  # null bytes in the source

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from tasks.code import parse_python
 from training.data.datasets import IGNORE
 from training.objectives.losses import token_losses
 
@@ -85,7 +86,7 @@ def code_quality(source: str) -> float:
     `return`/`raise` in the same block (dead code) and every assigned name never read costs a
     share of the score."""
     try:
-        tree = ast.parse(source)
+        tree = parse_python(source)
     except SyntaxError:
         return 0.0
     problems = 0
