@@ -23,7 +23,7 @@ namespace tierserve::dense {
 
 // One weight row of fp32.
 struct FloatRow {
-  static constexpr bool kStateful = false;
+  static constexpr bool kDecodes = false;
   const float* w;
   int64_t K;
   float row_scale;
@@ -37,7 +37,7 @@ struct FloatRow {
 
 // One weight row of bf16, widened a vector at a time.
 struct BFloat16Row {
-  static constexpr bool kStateful = false;
+  static constexpr bool kDecodes = false;
   const BFloat16* w;
   int64_t K;
   float row_scale;

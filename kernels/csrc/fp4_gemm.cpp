@@ -139,7 +139,7 @@ struct Decoder {
 // A weight row's codes and scale bytes (a whole number of blocks), read a vector at a time.
 template <int64_t kBlock>
 struct Fp4Row {
-  static constexpr bool kStateful = true;  // the block's table
+  static constexpr bool kDecodes = true;
   const uint8_t* codes;
   const uint8_t* scales;
   const float* scale_of;

@@ -14,7 +14,8 @@
 //   float at(k): weight k, for the tail of a row that is not whole vectors,
 //   void prefetch(k, ahead): asks for the weights at k of the row `ahead` rows further,
 //   float row_scale: a factor of the row's sums (NVFP4's tensor scale, else 1),
-//   static bool kStateful: whether `load` changes the reader (an FP4 block's table),
+//   static bool kDecodes: whether `load` decodes (FP4): it keeps a block's table as state,
+//     and decoding, not reading, bounds the product,
 // and the products, the experts' grouping and their element-wise steps are written once.
 
 #pragma once
@@ -39,13 +40,13 @@ constexpr int64_t kRowGroup = 4;
 
 // How a tile keeps its fused multiply-adds from waiting on one another: each activation
 // vector, once loaded, goes into the sums of W weight rows, and each sum is kChains<W> chains
-// (over alternate vectors of the row). An FP4 row on AVX-512 (32 registers): four weight rows
+// (over alternate vectors of the row). A decoding row on AVX-512 (32 registers): four rows
 // side by side, one chain each (with kMaxTile rows, 24 sums), which shares each activation
 // vector's load among more of the decoding's work; every other row: one weight row, two
 // chains (four weight rows of dense rows ran the engine a third slower at 4 and 16 streams,
 // `loadtests/bench_engine.py`, though each op alone ran no slower).
 template <class Row>
-constexpr int64_t kWeightTile = kLanes == 16 && Row::kStateful ? 4 : 1;
+constexpr int64_t kWeightTile = kLanes == 16 && Row::kDecodes ? 4 : 1;
 template <int64_t W>
 constexpr int64_t kChains = W == 1 ? 2 : 1;
 
@@ -99,14 +100,14 @@ template <int64_t R, int64_t W, class Row>
     }
 }
 
-// A reader with state (an FP4 row's block table) is copied into the tile, where its state
-// stays in registers; a stateless one is read where it lies (copies of the dense rows
+// A decoding reader (an FP4 row, its block table as state) is copied into the tile, where
+// its state stays in registers; a dense one is read where it lies (copies of the dense rows
 // measured slower). The tile's steps are inlined by force: left to itself, GCC called them,
 // and an FP4 row's table went to memory at every block.
 template <int64_t R, int64_t W, class Row>
 inline void dot_tile(const float* x, int64_t ldx, const Row* rows, int64_t K, float* y,
                      int64_t ldy) {
-  if constexpr (Row::kStateful) {
+  if constexpr (Row::kDecodes) {
     Row copies[W];
     for (int64_t j = 0; j < W; ++j) copies[j] = rows[j];
     dot_tile_of<R, W>(x, ldx, copies, K, y, ldy);
