@@ -8,12 +8,14 @@ weight once per row, so a step of five rows (a verified speculation of four draf
 nearly five one-row steps. These ops share the FP4 ops' tile loops (`csrc/row_products.h`):
 each loaded weight vector goes into every row's sums, and experts run grouped by expert.
 
-The ops compute in fp32: activations of a half-precision graph are widened for them and
-their results rounded back to the graph's dtype, as a bf16 product accumulates in fp32 anyway
-(the conversions, a few KB a step, fuse into the graph's neighbouring loops). Weights are fp32
-or bf16 (a bf16 checkpoint keeps its weights bf16 whatever it computes in,
-`load_checkpoint`), widened exactly in registers. The ops are built on first use
-(`kernels/cpu_extension.py`) and registered with fake kernels, so compiled graphs call them.
+The ops sum in fp32 and return fp32, which the graph rounds back to its dtype, as a bf16
+product accumulates in fp32 anyway. Weights are fp32 or bf16 (a bf16 checkpoint keeps its
+weights bf16 whatever it computes in, `load_checkpoint`). bf16 activations go in as they are:
+against bf16 weights, where the CPU multiplies bf16 pairs (AVX512_BF16), the op multiplies
+them so, twice the products an instruction of an fp32 product and nothing widened
+(`bf16_pairs()`); elsewhere it widens them exactly, as it does fp16 ones here. The ops are
+built on first use (`kernels/cpu_extension.py`) and registered with fake kernels, so
+compiled graphs call them.
 """
 
 import torch
@@ -26,9 +28,11 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _register_fakes() -> None:
     torch.library.register_fake("tierserve_dense::linear")(
-        lambda x, weight: x.new_empty(x.shape[0], weight.shape[0])
+        lambda x, weight: x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     )
-    torch.library.register_fake("tierserve_dense::moe")(lambda x, *args: torch.empty_like(x))
+    torch.library.register_fake("tierserve_dense::moe")(
+        lambda x, *args: torch.empty_like(x, dtype=torch.float32)
+    )
 
 
 LIBRARY = cpu_extension.Library(
@@ -76,9 +80,21 @@ def runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     )
 
 
+def bf16_pairs() -> bool:
+    """Whether the ops multiply bf16 activations with bf16 weights (and decoded FP4 ones) as
+    bf16 pairs on this CPU; they then round the experts' inner activations to bf16 too, as a
+    bf16 model does."""
+    return available() and torch.ops.tierserve_dense.bf16_pairs()
+
+
+def activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the ops take it: contiguous rows of fp32, or bf16 as they are."""
+    return (x if x.dtype == torch.bfloat16 else x.float()).contiguous()
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x [..., K] @ W.t()` for an fp32 or bf16 weight `W [N, K]`, in x's dtype."""
-    y = torch.ops.tierserve_dense.linear(x.reshape(-1, x.shape[-1]).float().contiguous(), weight)
+    y = torch.ops.tierserve_dense.linear(activations(x.reshape(-1, x.shape[-1])), weight)
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 
@@ -92,7 +108,7 @@ def dense_moe(
     """`sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])` for x [T, H] and experts
     gate_up [E, 2I, H], down [E, H, I] (fp32 or bf16, both alike), in x's dtype."""
     return torch.ops.tierserve_dense.moe(
-        x.float().contiguous(),
+        activations(x),
         topk_weights.float().contiguous(),
         topk_ids.long().contiguous(),
         gate_up,

@@ -1,17 +1,19 @@
-// Dense weights (fp32, or bf16 held narrower and widened in registers) times fp32 activations
-// on a CPU, for the projections and experts of compiled decode steps: each weight is read
-// once a step for all its rows (row_products.h), where a fused reduction per row reads it once
-// a row. A bf16 weight is widened exactly (its 16 bits are an fp32's high half), so results
-// differ from an fp32 product of the widened weight only in the order of the sums.
+// Dense weights (fp32, or bf16 held narrower) times fp32 or bf16 activations on a CPU, for
+// the projections and experts of compiled decode steps: each weight is read once a step for
+// all its rows (row_products.h), where a fused reduction per row reads it once a row. bf16
+// weights meet bf16 activations as bf16 pairs where the CPU multiplies them (simd.h), and are
+// otherwise widened exactly in registers (their 16 bits are an fp32's high half); either way
+// the products are exact and results differ from an fp32 product of the widened values only
+// in the order of the sums (and, for bf16 pairs, the experts' inner activations rounded to
+// bf16, as a bf16 model rounds them).
 //
 // The ops, in the library `tierserve_dense`:
-//   linear(x [M, K] f32, weight [N, K] f32 or bf16) -> [M, N] f32: x @ W.t();
-//   moe(x [T, H] f32, topk_weights [T, k] f32, topk_ids [T, k] i64, gate_up [E, 2I, H],
+//   linear(x [M, K] f32 or bf16, weight [N, K] f32 or bf16) -> [M, N] f32: x @ W.t();
+//   moe(x [T, H] f32 or bf16, topk_weights [T, k] f32, topk_ids [T, k] i64, gate_up [E, 2I, H],
 //       down [E, H, I], both f32 or both bf16)
 //     -> [T, H] f32: sum_k topk_weights[t, k] * down_e(silu(gate_e x) * up_e x),
-//        e = topk_ids[t, k].
-//
-// A bf16 vector is widened by simd.h's `widen`.
+//        e = topk_ids[t, k];
+//   bf16_pairs() -> bool: whether bf16 activations meet bf16 weights as bf16 pairs here.
 
 #include <torch/csrc/stable/library.h>
 
@@ -23,7 +25,7 @@ namespace tierserve::dense {
 
 // One weight row of fp32.
 struct FloatRow {
-  static constexpr bool kDecodes = false;
+  static constexpr bool kDecodes = false, kReadsPairs = false;
   const float* w;
   int64_t K;
   float row_scale;
@@ -37,7 +39,7 @@ struct FloatRow {
 
 // One weight row of bf16, widened a vector at a time.
 struct BFloat16Row {
-  static constexpr bool kDecodes = false;
+  static constexpr bool kDecodes = false, kReadsPairs = true;
   const BFloat16* w;
   int64_t K;
   float row_scale;
@@ -47,6 +49,9 @@ struct BFloat16Row {
   }
 
   Vec load(int64_t k) const { return widen(w + k); }
+#if TIERSERVE_BF16_PAIRS
+  Pairs load_pairs(int64_t k) const { return tierserve::load_pairs(w + k); }
+#endif
   float at(int64_t k) const { return static_cast<float>(w[k]); }
 };
 
@@ -105,6 +110,8 @@ Tensor moe(const Tensor& x, const Tensor& topk_weights, const Tensor& topk_ids,
                                    matrix<BFloat16Matrix>(down, E, "down"), E);
 }
 
+bool bf16_pairs() { return TIERSERVE_BF16_PAIRS; }
+
 }  // namespace tierserve::dense
 
 STABLE_TORCH_LIBRARY(tierserve_dense, m) {
@@ -112,9 +119,15 @@ STABLE_TORCH_LIBRARY(tierserve_dense, m) {
   m.def(
       "moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor gate_up, Tensor down) -> "
       "Tensor");
+  m.def("bf16_pairs() -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tierserve_dense, CPU, m) {
   m.impl("linear", TORCH_BOX(&tierserve::dense::linear));
   m.impl("moe", TORCH_BOX(&tierserve::dense::moe));
+}
+
+// No tensor to dispatch on: registered for every backend.
+STABLE_TORCH_LIBRARY_IMPL(tierserve_dense, CompositeExplicitAutograd, m) {
+  m.impl("bf16_pairs", TORCH_BOX(&tierserve::dense::bf16_pairs));
 }

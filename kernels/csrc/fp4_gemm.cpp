@@ -1,13 +1,13 @@
-// FP4 weights (MXFP4, NVFP4) times fp32 activations on a CPU, the weights read as they are
+// FP4 weights (MXFP4, NVFP4) times fp32 or bf16 activations on a CPU, the weights read as they are
 // stored: packed E2M1 codes, two a byte (element 2j in the low nibble), and one scale byte a
 // block (MXFP4: an E8M0 exponent per 32; NVFP4: an FP8 E4M3 scale per 16, with an fp32 scale
 // per output row). Nothing is widened in memory: each block's codes are decoded in registers
 // inside the dot product, as ggml's quantized dot products do.
 //
 // The ops, in the library `tierserve_fp4`:
-//   linear(x [M, K] f32, format, packed [N, K/2] u8, scales [N, K/block] u8, row_scale [N]?)
+//   linear(x [M, K] f32 or bf16, format, packed [N, K/2] u8, scales [N, K/block] u8, row_scale [N]?)
 //     -> [M, N] f32: x @ W.t();
-//   moe(x [T, H] f32, topk_weights [T, k] f32, topk_ids [T, k] i64, format,
+//   moe(x [T, H] f32 or bf16, topk_weights [T, k] f32, topk_ids [T, k] i64, format,
 //       gate_up packed/scales/row_scale [E, 2I, ...], down packed/scales/row_scale [E, H, ...])
 //     -> [T, H] f32: sum_k topk_weights[t, k] * down_e(silu(gate_e x) * up_e x), e = topk_ids[t, k].
 //
@@ -22,7 +22,11 @@
 // - AVX-512: 16 codes a vector, the 16-entry signed table in one zmm (`vpermps` reads 4 bits);
 // - AVX2: 8 codes a vector, the 8 magnitudes in one ymm (`vpermps` reads 3 bits) and the
 //   sign bit moved into place by the same xor that undoes the table's index bits;
-// - elsewhere (the DEFAULT capability): a scalar lookup into a 16-float table per vector.
+// - elsewhere (the DEFAULT capability): a scalar lookup into a 16-float table per vector;
+// - bf16 activations where the CPU multiplies bf16 pairs (simd.h): 32 codes a vector decoded
+//   to bf16 (`decode_pairs`, exact too), the tables of one or two blocks in one zmm
+//   (`vpermw` reads 5 bits), multiplied into the activations as pairs; the experts' inner
+//   activations rounded to bf16, as a bf16 model rounds them.
 // Sums and fused multiply-adds are simd.h's, as in paged_attention.cpp.
 //
 // The tile loops, the experts' grouping by expert and the threads are row_products.h's,
@@ -136,10 +140,31 @@ struct Decoder {
 };
 #endif
 
+#if TIERSERVE_BF16_PAIRS
+// 32 codes (16 bytes) as bf16 weights, the first 16 in a block of scale s0, the last 16 in one
+// of scale s1 (MXFP4: one block, s0 = s1). An E2M1 value times an E8M0 or E4M3 scale has at
+// most 6 significant bits, so it is exact in bf16 too. The two blocks' tables share one
+// register, 32 bf16 entries, which `vpermw` reads by 5 bits: the code, and the block.
+inline Pairs decode_pairs(const uint8_t* p, float s0, float s1) {
+  const __m512 values = _mm512_load_ps(kE2M1);
+  const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+      _mm512_mul_ps(values, _mm512_set1_ps(s1)), _mm512_mul_ps(values, _mm512_set1_ps(s0))));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  // Each byte twice, widened to 16 bits, the second copy shifted down to its high nibble.
+  const __m512i twice = _mm512_cvtepu8_epi16(
+      _mm256_set_m128i(_mm_unpackhi_epi8(bytes, bytes), _mm_unpacklo_epi8(bytes, bytes)));
+  const __m512i codes = _mm512_srlv_epi16(twice, _mm512_set1_epi32(4 << 16));
+  // (code & 15) | 16 for the second block's words.
+  const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
+  const __m512i index = _mm512_ternarylogic_epi32(codes, _mm512_set1_epi16(15), second, 0xEA);
+  return reinterpret_cast<Pairs>(_mm512_permutexvar_epi16(index, table));
+}
+#endif
+
 // A weight row's codes and scale bytes (a whole number of blocks), read a vector at a time.
 template <int64_t kBlock>
 struct Fp4Row {
-  static constexpr bool kDecodes = true;
+  static constexpr bool kDecodes = true, kReadsPairs = true;
   const uint8_t* codes;
   const uint8_t* scales;
   const float* scale_of;
@@ -150,8 +175,17 @@ struct Fp4Row {
     if (k % kBlock == 0) dec.set_scale(scale_of[scales[k / kBlock]]);
     return dec(codes + k / 2);
   }
-  // Never called: rows are whole blocks, so whole vectors.
-  float at(int64_t) const { return 0.0f; }
+#if TIERSERVE_BF16_PAIRS
+  // Stateless: a pair step is one MXFP4 block or two NVFP4 blocks, each table built anew.
+  Pairs load_pairs(int64_t k) const {
+    const float s0 = scale_of[scales[k / kBlock]];
+    return decode_pairs(codes + k / 2, s0, kBlock == 16 ? scale_of[scales[k / kBlock + 1]] : s0);
+  }
+#endif
+  // The tail of a row of an odd number of NVFP4 blocks, read in pairs.
+  float at(int64_t k) const {
+    return kE2M1[(codes[k / 2] >> (k % 2 * 4)) & 15] * scale_of[scales[k / kBlock]];
+  }
   // None: an FP4 row is an eighth of an fp32 row's bytes, and decoding it, not reading it,
   // bounds the product.
   void prefetch(int64_t, int64_t) const {}

@@ -16,7 +16,14 @@
 //   float row_scale: a factor of the row's sums (NVFP4's tensor scale, else 1),
 //   static bool kDecodes: whether `load` decodes (FP4): it keeps a block's table as state,
 //     and decoding, not reading, bounds the product,
+//   static bool kReadsPairs, and where it is true and the CPU multiplies bf16 pairs
+//     (simd.h's TIERSERVE_BF16_PAIRS), Pairs load_pairs(k): the weights k .. k + kPairLanes
+//     as bf16, exactly (k a multiple of kPairLanes),
 // and the products, the experts' grouping and their element-wise steps are written once.
+//
+// Activations are fp32 or bf16 (`X`). bf16 activations meet rows that read pairs as bf16
+// pairs (`Step<BFloat16>`), twice the weights an instruction, nothing widened; elsewhere they
+// are widened to fp32 first (`with_activations`).
 
 #pragma once
 
@@ -26,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -50,22 +58,56 @@ constexpr int64_t kWeightTile = kLanes == 16 && Row::kDecodes ? 4 : 1;
 template <int64_t W>
 constexpr int64_t kChains = W == 1 ? 2 : 1;
 
+// How a tile steps through a row for activations of type X: the weights a step takes, the
+// activation and weight vectors of a step, and how they go into a sum.
+template <class X>
+struct Step;
+
+template <>
+struct Step<float> {
+  static constexpr int64_t kWidth = kLanes;
+  static Vec x(const float* p) { return loadu(p); }
+  template <class Row>
+  static Vec w(Row& row, int64_t k) {
+    return row.load(k);
+  }
+  static Vec madd(Vec sum, Vec x, Vec w) { return fmadd(x, w, sum); }
+};
+
+#if TIERSERVE_BF16_PAIRS
+template <>
+struct Step<BFloat16> {
+  static constexpr int64_t kWidth = kPairLanes;
+  static Pairs x(const BFloat16* p) { return load_pairs(p); }
+  template <class Row>
+  static Pairs w(Row& row, int64_t k) {
+    return row.load_pairs(k);
+  }
+  static Vec madd(Vec sum, Pairs x, Pairs w) { return dot_pairs(sum, x, w); }
+};
+#endif
+
+// Whether bf16 activations meet a matrix's rows as bf16 pairs.
+template <class Matrix>
+constexpr bool kPairs = TIERSERVE_BF16_PAIRS && Matrix::Row::kReadsPairs;
+
 // The N vectors of each weight row from k into chains 0 .. N - 1 of every sum: all N
 // loaded first, then each activation vector into its sums. N a constant, so the sums stay
 // in registers.
-template <int64_t N, int64_t R, int64_t W, class Row>
-[[gnu::always_inline]] inline void chain_step(const float* x, int64_t ldx, Row* w, int64_t k,
+template <int64_t N, int64_t R, int64_t W, class X, class Row>
+[[gnu::always_inline]] inline void chain_step(const X* x, int64_t ldx, Row* w, int64_t k,
                                               Vec (&sums)[R][W][kChains<W>]) {
-  Vec v[N][W];
+  using S = Step<X>;
+  decltype(S::w(w[0], k)) v[N][W];
   for (int64_t c = 0; c < N; ++c)
     for (int64_t j = 0; j < W; ++j) {
-      w[j].prefetch(k + c * kLanes, kRowGroup);  // the rows the next work item reads
-      v[c][j] = w[j].load(k + c * kLanes);
+      w[j].prefetch(k + c * S::kWidth, kRowGroup);  // the rows the next work item reads
+      v[c][j] = S::w(w[j], k + c * S::kWidth);
     }
   for (int64_t r = 0; r < R; ++r)
     for (int64_t c = 0; c < N; ++c) {
-      const Vec xv = loadu(x + r * ldx + k + c * kLanes);
-      for (int64_t j = 0; j < W; ++j) sums[r][j][c] = fmadd(xv, v[c][j], sums[r][j][c]);
+      const auto xv = S::x(x + r * ldx + k + c * S::kWidth);
+      for (int64_t j = 0; j < W; ++j) sums[r][j][c] = S::madd(sums[r][j][c], xv, v[c][j]);
     }
 }
 
@@ -76,17 +118,17 @@ template <int64_t N, int64_t R, int64_t W, class Row>
 // summed in one order (its chains over the row's vectors, the chains added, their lanes,
 // then the tail) in every tile, so a row's result does not depend on the rows beside it (a
 // batch gives each sequence what it gets alone).
-template <int64_t R, int64_t W, class Row>
-[[gnu::always_inline]] inline void dot_tile_of(const float* x, int64_t ldx, Row* w, int64_t K,
+template <int64_t R, int64_t W, class X, class Row>
+[[gnu::always_inline]] inline void dot_tile_of(const X* x, int64_t ldx, Row* w, int64_t K,
                                                float* y, int64_t ldy) {
-  constexpr int64_t C = kChains<W>;
+  constexpr int64_t C = kChains<W>, width = Step<X>::kWidth;
   Vec sums[R][W][C];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < W; ++j)
       for (int64_t c = 0; c < C; ++c) sums[r][j][c] = Vec{};
-  const int64_t whole = K - K % kLanes;
+  const int64_t whole = K - K % width;
   int64_t k = 0;
-  for (; k + C * kLanes <= whole; k += C * kLanes) chain_step<C>(x, ldx, w, k, sums);
+  for (; k + C * width <= whole; k += C * width) chain_step<C>(x, ldx, w, k, sums);
   if constexpr (C == 2)
     if (k < whole) chain_step<1>(x, ldx, w, k, sums);  // one vector left over
   // The tail of a row that is not whole vectors, lane by lane.
@@ -95,7 +137,7 @@ template <int64_t R, int64_t W, class Row>
       Vec total = sums[r][j][0];
       for (int64_t c = 1; c < C; ++c) total = total + sums[r][j][c];
       float sum = lane_sum(total);
-      for (int64_t i = whole; i < K; ++i) sum += x[r * ldx + i] * w[j].at(i);
+      for (int64_t i = whole; i < K; ++i) sum += static_cast<float>(x[r * ldx + i]) * w[j].at(i);
       y[r * ldy + j] = sum * w[j].row_scale;
     }
 }
@@ -104,8 +146,8 @@ template <int64_t R, int64_t W, class Row>
 // its state stays in registers; a dense one is read where it lies (copies of the dense rows
 // measured slower). The tile's steps are inlined by force: left to itself, GCC called them,
 // and an FP4 row's table went to memory at every block.
-template <int64_t R, int64_t W, class Row>
-inline void dot_tile(const float* x, int64_t ldx, const Row* rows, int64_t K, float* y,
+template <int64_t R, int64_t W, class X, class Row>
+inline void dot_tile(const X* x, int64_t ldx, const Row* rows, int64_t K, float* y,
                      int64_t ldy) {
   if constexpr (Row::kDecodes) {
     Row copies[W];
@@ -117,13 +159,13 @@ inline void dot_tile(const float* x, int64_t ldx, const Row* rows, int64_t K, fl
 }
 
 // The tiles of R activation rows against W weight rows: up to kMaxTile rows a tile.
-template <int64_t W, class Row>
-void dot_weight_tile(const float* x, int64_t ldx, int64_t rows, const Row* w, int64_t K,
-                     float* y, int64_t ldy) {
+template <int64_t W, class X, class Row>
+void dot_weight_tile(const X* x, int64_t ldx, int64_t rows, const Row* w, int64_t K, float* y,
+                     int64_t ldy) {
   int64_t r = 0;
   for (; r + kMaxTile <= rows; r += kMaxTile)
     dot_tile<kMaxTile, W>(x + r * ldx, ldx, w, K, y + r * ldy, ldy);
-  const float* xr = x + r * ldx;
+  const X* xr = x + r * ldx;
   float* yr = y + r * ldy;
   switch (rows - r) {
     case 1: dot_tile<1, W>(xr, ldx, w, K, yr, ldy); break;
@@ -138,8 +180,8 @@ void dot_weight_tile(const float* x, int64_t ldx, int64_t rows, const Row* w, in
 // y[r * ldy + j] for `rows` rows of x (stride ldx) against n weight rows w_j, kWeightTile
 // weight rows at a time (the last few one by one), in tiles of up to kMaxTile activation
 // rows: the weight rows are read from memory once and from L1 by the following tiles.
-template <class Row>
-void dot_rows(const float* x, int64_t ldx, int64_t rows, const Row* w, int64_t n, int64_t K,
+template <class X, class Row>
+void dot_rows(const X* x, int64_t ldx, int64_t rows, const Row* w, int64_t n, int64_t K,
               float* y, int64_t ldy) {
   int64_t j = 0;
   constexpr int64_t W = kWeightTile<Row>;
@@ -154,8 +196,8 @@ struct Segment {
 
 // out[s.begin + r, n] = x[s.begin + r] . W[s.group, n] for every segment, the segments' groups
 // of kRowGroup output rows split over the threads.
-template <class Matrix>
-void segmented_product(const float* x, const Matrix& m, const std::vector<Segment>& segments,
+template <class Matrix, class X>
+void segmented_product(const X* x, const Matrix& m, const std::vector<Segment>& segments,
                        float* out) {
   const int64_t groups = (m.N + kRowGroup - 1) / kRowGroup;
   const int64_t total = static_cast<int64_t>(segments.size()) * groups;
@@ -171,9 +213,26 @@ void segmented_product(const float* x, const Matrix& m, const std::vector<Segmen
 }
 
 inline void check_activations(const Tensor& x, int64_t K) {
-  STD_TORCH_CHECK(x.dim() == 2 && x.scalar_type() == ScalarType::Float && x.is_contiguous(),
-                  "x must be contiguous float32 [rows, K]");
+  STD_TORCH_CHECK(x.dim() == 2 &&
+                      (x.scalar_type() == ScalarType::Float ||
+                       x.scalar_type() == ScalarType::BFloat16) &&
+                      x.is_contiguous(),
+                  "x must be contiguous float32 or bfloat16 [rows, K]");
   STD_TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
+}
+
+// f(the activations as the products read them): fp32 as they are; bf16 as they are where they
+// meet Matrix's rows as pairs, else widened to fp32 (exactly).
+template <class Matrix, class F>
+auto with_activations(const Tensor& x, F&& f) {
+  if (x.scalar_type() == ScalarType::Float) return f(x.const_data_ptr<float>());
+  const BFloat16* b = static_cast<const BFloat16*>(x.const_data_ptr());
+  if constexpr (kPairs<Matrix>) {
+    return f(b);
+  } else {
+    std::vector<float> wide(b, b + x.numel());
+    return f(static_cast<const float*>(wide.data()));
+  }
 }
 
 // x [M, K] @ W.t() for a one-group matrix W [N, K].
@@ -182,8 +241,9 @@ Tensor linear_product(const Tensor& x, const Matrix& m) {
   check_activations(x, m.K);
   Tensor out = empty_float({x.size(0), m.N});
   if (x.size(0) > 0)
-    segmented_product(x.const_data_ptr<float>(), m, {{0, 0, x.size(0)}},
-                      out.mutable_data_ptr<float>());
+    with_activations<Matrix>(x, [&](const auto* xp) {
+      segmented_product(xp, m, {{0, 0, x.size(0)}}, out.mutable_data_ptr<float>());
+    });
   return out;
 }
 
@@ -191,19 +251,26 @@ Tensor linear_product(const Tensor& x, const Matrix& m) {
 // then take no parallel region for them, only the products do.
 constexpr int64_t kRowGrain = 64;
 
+inline void store(float* p, Vec v) { storeu(p, v); }
+#if TIERSERVE_BF16_PAIRS
+inline void store(BFloat16* p, Vec v) { store_rounded(p, v); }
+#endif
+
 // silu(gate) * up of h [S, 2I] (gate columns first) into a [S, I], as torch's silu: g / (1 + e^-g).
-inline void silu_and_mul(const float* h, float* a, int64_t S, int64_t I) {
+// In the activations' type: bf16 activations' products give bf16 (as a bf16 model's do).
+template <class X>
+void silu_and_mul(const float* h, X* a, int64_t S, int64_t I) {
   torch::stable::parallel_for(0, S, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const float* g = h + s * 2 * I;
       const float* u = g + I;
-      float* o = a + s * I;
+      X* o = a + s * I;
       int64_t i = 0;
       for (; i + kLanes <= I; i += kLanes) {
         const Vec gv = loadu(g + i);
-        storeu(o + i, gv / (1.0f + exp(-gv)) * loadu(u + i));
+        store(o + i, gv / (1.0f + exp(-gv)) * loadu(u + i));
       }
-      for (; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      for (; i < I; ++i) o[i] = static_cast<X>(g[i] / (1.0f + std::exp(-g[i])) * u[i]);
     }
   });
 }
@@ -248,15 +315,18 @@ Tensor expert_product(const Tensor& x, const Tensor& topk_weights,
       sorted[position[s]] = s;
     }
   }
-  const float* xp = x.const_data_ptr<float>();
-  std::vector<float> xs(S * H), h(S * 2 * I), a(S * I), y(S * H);
-  torch::stable::parallel_for(0, S, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      std::memcpy(&xs[p * H], xp + (sorted[p] / top_k) * H, H * sizeof(float));
+  std::vector<float> h(S * 2 * I), y(S * H);
+  with_activations<Matrix>(x, [&](const auto* xp) {
+    using X = std::remove_cv_t<std::remove_pointer_t<decltype(xp)>>;
+    std::vector<X> xs(S * H), a(S * I);
+    torch::stable::parallel_for(0, S, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p)
+        std::memcpy(&xs[p * H], xp + (sorted[p] / top_k) * H, H * sizeof(X));
+    });
+    segmented_product(xs.data(), gate_up, segments, h.data());
+    silu_and_mul(h.data(), a.data(), S, I);
+    segmented_product(static_cast<const X*>(a.data()), down, segments, y.data());
   });
-  segmented_product(xs.data(), gate_up, segments, h.data());
-  silu_and_mul(h.data(), a.data(), S, I);
-  segmented_product(a.data(), down, segments, y.data());
   Tensor out = empty_float({T, H});
   float* o = out.mutable_data_ptr<float>();
   const float* w = topk_weights.const_data_ptr<float>();

@@ -137,4 +137,26 @@ inline Vec widen(const Half* p) {
 
 inline Vec widen(const float* p) { return loadu(p); }
 
+// Pairs of bf16 multiplied into fp32 sums, where the CPU has the instruction (`vdpbf16ps`,
+// AVX512_BF16, which `-march=native` names): each lane of the sum takes the exact products
+// of its two bf16 pairs, 2 * kLanes products an instruction and nothing widened, where an fp32
+// product of bf16 values widens them first and multiplies kLanes at a time. Input and output
+// denormals are flushed to zero (as oneDNN's bf16 products do); no value a model holds is one.
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define TIERSERVE_BF16_PAIRS 1
+using Pairs = __m512bh;
+constexpr int64_t kPairLanes = 32;
+inline Pairs load_pairs(const BFloat16* p) {
+  return reinterpret_cast<Pairs>(_mm512_loadu_si512(p));
+}
+inline Vec dot_pairs(Vec sum, Pairs x, Pairs w) { return _mm512_dpbf16_ps(sum, x, w); }
+// kLanes sums rounded to bf16 (to nearest, ties to even, as torch rounds).
+inline void store_rounded(BFloat16* p, Vec v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+#else
+#define TIERSERVE_BF16_PAIRS 0
+#endif
+
 }  // namespace tierserve

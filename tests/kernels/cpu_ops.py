@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_extension
+from kernels import cpu_dense, cpu_extension
 
 CAPABILITIES = ["DEFAULT", "AVX2", "AVX512"]
 
@@ -19,6 +19,28 @@ def assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert got.shape == expected.shape and got.dtype == expected.dtype
     scale = float(expected.abs().max())
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+def assert_experts_match(got: torch.Tensor, expected: torch.Tensor, rounded: bool) -> None:
+    """`rounded`: the op rounded the experts' inner activations to bf16 (bf16 activations as
+    bf16 pairs), which `expected` (fp32 throughout) did not: each rounding is 2^-9 of its
+    value, so the outputs are within 2^-7 of their largest magnitude, where a wrong product
+    would be off by about that magnitude."""
+    if not rounded:
+        assert_matches(got, expected)
+        return
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected, rtol=0, atol=2**-7 * float(expected.abs().max()))
+
+
+def bf16_pairs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether the ops multiply x with these weights as bf16 pairs (an FP4 weight's codes
+    are uint8: decoded to bf16 for it)."""
+    return (
+        x.dtype == torch.bfloat16
+        and all(w.dtype in (torch.bfloat16, torch.uint8) for w in weights)
+        and cpu_dense.bf16_pairs()
+    )
 
 
 def routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

