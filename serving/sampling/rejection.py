@@ -18,6 +18,7 @@ import torch
 
 from serving.sampling.filters import filter_logits
 from serving.sampling.params import SamplingParams
+from serving.sampling.sampler import inverse_transform
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -27,8 +28,10 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of [n, V] probabilities, from the request's generator if seeded."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    """One token per row of [n, V] probabilities, from the request's generator if seeded,
+    as the sampler draws (`inverse_transform`)."""
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device)
+    return inverse_transform(probs, u)
 
 
 def verify_drafts(

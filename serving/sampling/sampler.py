@@ -194,12 +194,20 @@ def _draw(
     for i, row in enumerate(rows):
         if seeded[i]:
             u[i].uniform_(generator=row.generator)
-    cumulative = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().cumsum(dim=-1)
-    target = (1 - u) * cumulative[:, -1:]  # in (0, total]: never past the last token
-    sampled = torch.searchsorted(cumulative, target).squeeze(1)
+    sampled = inverse_transform(logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_(), u)
     if candidates is None:
         return sampled
     return candidates.gather(1, sampled.unsqueeze(1)).squeeze(1)
+
+
+def inverse_transform(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids [n]: row r of non-negative `weights` [n, V] draws the first token whose
+    cumulative weight reaches (1 - u_r) of the row's total, for u [n, 1] ~ U[0, 1). One
+    uniform and one pass over the row: `torch.multinomial` and an exponential race draw
+    far slower on a CPU (noise for the whole vocabulary)."""
+    cumulative = weights.cumsum(dim=-1)
+    target = (1 - u) * cumulative[:, -1:]  # in (0, total]: never past the last token
+    return torch.searchsorted(cumulative, target).squeeze(1)
 
 
 def _result(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
