@@ -8,6 +8,7 @@ import torch
 
 from serving.engine.llm_engine import EngineConfig, LLMEngine
 from serving.model.checkpoint import load_checkpoint
+from serving.sampling.filters import filter_logits
 from serving.sampling.params import SamplingParams
 from serving.sampling.rejection import processed_probs, verify_drafts
 from speculative import speculator
@@ -72,8 +73,9 @@ def joint(path, params: SamplingParams, length: int) -> torch.Tensor:
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0.8, top_p=0.8),
         SamplingParams(temperature=1.2, top_k=3, min_p=0.05),
+        SamplingParams(temperature=0.9, top_k=4, top_p=0.9),
     ],
-    ids=["plain", "top_p", "top_k_min_p"],
+    ids=["plain", "top_p", "top_k_min_p", "top_k_top_p"],
 )
 def test_verify_drafts_keeps_the_target_distribution(params):
     """The first token verify emits is distributed as the target's p at position 0, with a
@@ -95,6 +97,25 @@ def test_verify_drafts_keeps_the_target_distribution(params):
     # distribution is far from it.
     assert (p0 > 0.05).sum() >= 2
     assert (p0 - q[0]).abs().sum() / 2 > 0.2
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_k=40, top_p=0.85),
+        SamplingParams(temperature=1.0, top_k=2, min_p=0.3),
+    ],
+)
+def test_a_top_k_cut_gives_the_distributions_of_the_whole_vocabulary(params):
+    """With a top_k the k best columns alone are filtered and normalised: the same
+    distributions as filtering every column (min_p, top_k, top_p) and normalising them."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(4)) * 3
+    scaled = logits / params.temperature
+    whole = filter_logits(scaled, [params] * 5).softmax(dim=-1)
+    got = processed_probs(logits, params)
+    torch.testing.assert_close(got, whole)
+    assert ((got > 0).sum(-1) <= params.top_k).all()
 
 
 @pytest.mark.slow
