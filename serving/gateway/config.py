@@ -240,13 +240,16 @@ class GatewayConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     cors: CORSConfig = CORSConfig()
     json_logs: bool = True  # one JSON object per log line on stderr
-    # Neither tier speculates: against the compiled decode steps the server runs, every
-    # drafter slows the highspeed tier down on a CPU (a verify step's rows cost nearly what
-    # whole steps do; `loadtests/bench_speculative.py` measures each drafter against none).
-    # `tiers.highspeed.speculative` turns it on.
+    # The highspeed tier drafts with its own MTP layer, as the design has it: greedy output
+    # is plain decoding's, sampled output distributed as plain decoding's, and on a CPU it
+    # runs no slower (`loadtests/bench_speculative.py`). `tiers.highspeed.speculative: null`
+    # turns it off; with more than `disable_by_batch_size` requests running a step does not
+    # speculate.
     tiers: Tiers = Tiers(
         full=EmbeddedTier(model=Path("models/demo-full")),
-        highspeed=EmbeddedTier(model=Path("models/demo-highspeed")),
+        highspeed=EmbeddedTier(
+            model=Path("models/demo-highspeed"), speculative=SpeculativeConfig(method="mtp")
+        ),
     )
     router: RouterConfig = RouterConfig()
     fallback: FallbackConfig = FallbackConfig()
