@@ -96,13 +96,16 @@ def process_tree(pid: int) -> list[psutil.Process]:
 
 # What a process stopped by SIGSTOP reports, or one that exited meanwhile.
 STILL = {psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD}
+STOP_TIMEOUT_S = 10.0  # how long a process sent SIGSTOP may take to report stopped
 
 
 @contextlib.contextmanager
 def stopped(pid: int) -> Iterator[None]:
     """The process and every process below it stopped (SIGSTOP), continued after. Stopped
     from the top, again until no new one appears: a stopped parent starts no child. A signal
-    is delivered a moment after it is sent, so this yields once each one reports stopped."""
+    is delivered a moment after it is sent, so this yields once each one reports stopped;
+    one that has not within STOP_TIMEOUT_S (a process that ignores no SIGSTOP, so a wedged
+    kernel or a traced process) fails the bench by name instead of hanging it."""
     done: list[psutil.Process] = []
     try:
         while new := [p for p in process_tree(pid) if p not in done]:
@@ -110,9 +113,15 @@ def stopped(pid: int) -> Iterator[None]:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.suspend()
                 done.append(p)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         for p in done:
             with contextlib.suppress(psutil.NoSuchProcess):
-                while p.status() not in STILL:
+                while (status := p.status()) not in STILL:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"process {p.pid} was sent SIGSTOP and is still {status!r} "
+                            f"after {STOP_TIMEOUT_S:.0f} s"
+                        )
                     time.sleep(0.001)
         yield
     finally:

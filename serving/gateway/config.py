@@ -241,14 +241,15 @@ class GatewayConfig(_Strict):
     cors: CORSConfig = CORSConfig()
     json_logs: bool = True  # one JSON object per log line on stderr
     # The highspeed tier drafts with its own MTP layer, as the design has it: greedy output
-    # is plain decoding's, sampled output distributed as plain decoding's, and on a CPU it
-    # runs no slower (`loadtests/bench_speculative.py`). `tiers.highspeed.speculative: null`
-    # turns it off; with more than `disable_by_batch_size` requests running a step does not
-    # speculate.
+    # is plain decoding's, sampled output distributed as plain decoding's. On a CPU it pays
+    # for one or two streams and not for four (`loadtests/bench_speculative.py`), so steps
+    # with more than two requests running do not speculate. `tiers.highspeed.speculative:
+    # null` turns it off.
     tiers: Tiers = Tiers(
         full=EmbeddedTier(model=Path("models/demo-full")),
         highspeed=EmbeddedTier(
-            model=Path("models/demo-highspeed"), speculative=SpeculativeConfig(method="mtp")
+            model=Path("models/demo-highspeed"),
+            speculative=SpeculativeConfig(method="mtp", disable_by_batch_size=2),
         ),
     )
     router: RouterConfig = RouterConfig()

@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
+from loadtests import bench_startup
 from loadtests.bench_startup import process_tree, stopped
 from tests.serving.gateway.processes import settles, state
 
@@ -38,3 +40,18 @@ def test_a_server_and_its_descendants_stop_and_continue_together(tmp_path: Path)
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         server.wait()
+
+
+def test_a_process_that_never_reports_stopped_fails_the_bench_by_name(monkeypatch):
+    """Were SIGSTOP never to take (here it is not sent), the bench fails, naming the process,
+    instead of waiting for it for ever."""
+    monkeypatch.setattr(psutil.Process, "suspend", lambda self: None)
+    monkeypatch.setattr(bench_startup, "STOP_TIMEOUT_S", 0.2)
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        failure = pytest.raises(RuntimeError, match=f"process {sleeper.pid} was sent SIGSTOP")
+        with failure, stopped(sleeper.pid):
+            pass
+    finally:
+        sleeper.kill()
+        sleeper.wait()
