@@ -125,6 +125,9 @@ class DraftModelProposer:
             if qs[0] is not None:
                 seq.draft_probs = torch.stack(qs)
 
+    def ready(self) -> bool:
+        return True
+
     def pause(self, step: TargetStep) -> None:
         pass
 

@@ -168,6 +168,11 @@ class MTPProposer:
             skip += 1
         return skip
 
+    def ready(self) -> bool:
+        """Once a draft step is compiled, where the target's steps are: a cold start compiles
+        the drafter's after the target's, and the tier serves by plain decoding meanwhile."""
+        return self.graphs is None or bool(self.graphs.ready_sizes)
+
     def pause(self, step: TargetStep) -> None:
         self.gapped.update(seq.seq_id for seq, _ in step.batch)
 

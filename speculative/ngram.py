@@ -38,6 +38,9 @@ class NgramProposer:
             seq.draft_token_ids = ngram_lookup(tokens, k, self.min_n, self.max_n)
             seq.draft_probs = None
 
+    def ready(self) -> bool:
+        return True
+
     def pause(self, step: TargetStep) -> None:
         pass
 

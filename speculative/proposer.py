@@ -61,7 +61,11 @@ class TargetStep(Protocol):
 class Proposer(Protocol):
     """A drafter. `propose` sets `draft_token_ids` (and `draft_probs` when it samples) of
     each sequence for up to its k tokens, after a step whose output it may read; `pause`
-    replaces it in steps without speculation; `release` forgets a finished sequence."""
+    replaces it in steps without speculation; `release` forgets a finished sequence;
+    `ready` says whether it drafts at its speed yet (a drafter whose compiled steps are
+    still being built would draft eagerly, at a cost above what its drafts save)."""
+
+    def ready(self) -> bool: ...
 
     def propose(self, seqs: list[DraftSequence], ks: list[int], step: TargetStep) -> None: ...
 

@@ -119,7 +119,10 @@ class Speculator:
         """Drafts for the next step of every running sequence that will decode."""
         for seq in running:
             seq.clear_drafts()
-        if self.config.disable_by_batch_size and len(running) > self.config.disable_by_batch_size:
+        busy = (
+            self.config.disable_by_batch_size and len(running) > self.config.disable_by_batch_size
+        )
+        if busy or not self.proposer.ready():
             self.proposer.pause(step)
             return
         seqs, ks = [], []

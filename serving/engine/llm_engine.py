@@ -180,13 +180,15 @@ class LLMEngine:
     def warmup(self) -> Progress:
         """How far the compiled steps are, the target's and the MTP drafter's together
         (`DecodeGraphs.progress`): until they are done, steps of some batch sizes run
-        eagerly, several times slower. An engine without them (`enforce_eager`, or CUDA
-        graphs, captured while it is built) is warm at once."""
+        eagerly, several times slower. Ready once the target's are: the drafter's compile
+        after them, and until one is in the engine decodes without drafts
+        (`MTPProposer.ready`), at plain decoding's full speed. An engine without them
+        (`enforce_eager`, or CUDA graphs, captured while it is built) is warm at once."""
         parts = [g.progress() for g in self.graphs]
         return Progress(
             sum(p.compiled for p in parts),
             sum(p.wanted for p in parts),
-            all(p.ready for p in parts),
+            all(p.ready for p in parts[:1]),
             all(p.done for p in parts),
         )
 

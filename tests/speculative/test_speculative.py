@@ -181,6 +181,28 @@ def test_large_batches_do_not_speculate(chat_prompts):
     assert busy and quiet  # both regimes happened
 
 
+def test_a_drafter_not_ready_yet_leaves_steps_without_drafts(chat_prompts, monkeypatch):
+    """Until a drafter says it is ready (the MTP layer's compiled steps in), steps decode
+    without drafts; a request that started meanwhile keeps decoding so (its MTP context
+    missed steps), one that starts after drafts."""
+    engine = _engine(SpeculativeConfig(method="mtp"))
+    ready = False
+    monkeypatch.setattr(engine.speculator.proposer, "ready", lambda: ready)
+    params = SamplingParams(max_tokens=24, temperature=0)
+
+    def drafts(request_id: str, prompt: list[int]) -> int:
+        engine.add_request(request_id, prompt, params)
+        drafted = 0
+        while engine.has_unfinished():
+            engine.step()
+            drafted += sum(len(s.draft_token_ids) for s in engine.scheduler.running)
+        return drafted
+
+    assert drafts("early", chat_prompts[0]) == 0
+    ready = True
+    assert drafts("later", chat_prompts[1]) > 0
+
+
 def test_lookahead_follows_acceptance():
     free, dear = StepCost(fixed=0.5, per_draft=0.0), StepCost(fixed=0.5, per_draft=0.25)
     assert best_lookahead(0.95, free, 8) == 8  # cheap, accurate drafts: draft far

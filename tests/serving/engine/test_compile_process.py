@@ -38,8 +38,8 @@ def eager_tokens(ckpt: Path, ps: list[list[int]]) -> list[list[int]]:
 @pytest.mark.slow
 def test_larger_graphs_and_the_drafters_compile_in_a_process_of_their_own(tmp_path, monkeypatch):
     """A speculating engine (MTP) is ready at one row while the process compiles the
-    target's verify size and the drafter's graphs; it loads them whole, without tracing, and
-    serves plain decoding's greedy tokens through them."""
+    target's verify size and the drafter's graphs (it drafts once they are in); it loads them
+    whole, without tracing, and serves plain decoding's greedy tokens through them."""
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path / "cache"))
     config = EngineConfig(
         max_num_seqs=1,  # the target's graphs: 1 row, and a verify step's 5
@@ -53,9 +53,11 @@ def test_larger_graphs_and_the_drafters_compile_in_a_process_of_their_own(tmp_pa
     deadline = time.monotonic() + 300
     while not target.ready and time.monotonic() < deadline:
         time.sleep(0.05)
-    # Ready at one row, while the other process still imports torch and compiles.
+    # Ready at one row, while the other process still imports torch and compiles; the
+    # drafter's graphs are not in yet, so the engine decodes without drafts meanwhile.
     assert target.progress() == (1, 2, True, False)
-    assert not engine.warmup().ready  # nor are the drafter's graphs in yet
+    assert engine.warmup().ready and not engine.warmup().done
+    assert not engine.speculator.proposer.ready()
     frames = counters["frames"]["total"]  # the one-row target graph, traced here
     engine.wait_warm()
     assert engine.warmup() == (4, 4, True, True)
