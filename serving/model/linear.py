@@ -8,7 +8,8 @@ below memory speed, worst on AMD CPUs (`loadtests/bench_gemm.py`). One row (but 
 wide bf16 weight, such as the MTP drafter's copy of the head), or where the op cannot be built
 (a warning says so), the projection is written as a broadcast product summed over the input
 dimension, which inductor fuses into one C++ loop that streams the weight once per row.
-Half-precision steps take the same paths, the op computing in fp32 between conversions.
+Half-precision steps take the same paths, the op summing in fp32 (bf16 activations as bf16
+pairs where the CPU multiplies them, `cpu_dense.bf16_pairs`).
 """
 
 import torch

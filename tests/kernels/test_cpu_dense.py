@@ -69,7 +69,7 @@ def test_the_ops_run_for_more_than_one_row_of_what_they_read():
     assert not cpu_dense.runs(randn(1, 64, seed=1), experts)
     assert not cpu_dense.runs(randn(1, 64, seed=1), head)
     assert not cpu_dense.runs(randn(1, 64, seed=1), head[:-1].bfloat16())
-    # Half-precision activations are widened for the op; one row of them against any bf16
+    # Half-precision activations go to the op too; one row of them against any bf16
     # weight is the op too (the fused reduction is slower there).
     assert cpu_dense.runs(randn(2, 64, seed=1).bfloat16(), w)
     assert cpu_dense.runs(randn(1, 64, seed=1).bfloat16(), w.bfloat16())
