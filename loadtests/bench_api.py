@@ -45,17 +45,24 @@ REQUESTS_PER_STREAM = 2
 
 
 def start_server(
-    path: Path, port: int, dtype: str, threads: int, log: Path, eager: bool
+    path: Path,
+    port: int,
+    dtype: str,
+    threads: int,
+    log: Path,
+    eager: bool,
+    extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, float]:
-    """The server and its startup time: spawn to the first /health 200, which it answers once
-    one stream runs at full speed. Returned once nothing is left to compile (`warm`): before,
-    steps of several sequences run in chunks of the one-row graph, and a run of several
-    streams would measure the warm-up."""
+    """The server (`tierserve engine`, and `extra` flags) and its startup time: spawn to the
+    first /health 200, which it answers once one stream runs at full speed. Returned once
+    nothing is left to compile (`warm`): before, steps of several sequences run in chunks of
+    the one-row graph, and a run of several streams would measure the warm-up."""
     command = [sys.executable, "-c", "from serving.cli import main; main()", "engine"]
     command += ["--model", str(path), "--port", str(port), "--dtype", dtype]
     command += ["--served-model-name", "bench"]
     command += ["--max-num-seqs", "64", "--max-num-batched-tokens", "1024"]
     command += ["--enforce-eager"] if eager else []
+    command += extra
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
     start = time.monotonic()
     with log.open("w") as out:

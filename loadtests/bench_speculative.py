@@ -35,18 +35,25 @@ from serving.model.tokenizer import Tokenizer
 from serving.sampling.params import SamplingParams
 from speculative.config import SpeculativeConfig
 from speculative.mtp import MTPProposer
-from tasks import DEFAULT_DOMAINS, DOMAINS
+from tasks import DEFAULT_DOMAINS, DOMAINS, Task
 from tasks.seeds import EVAL_SEED_BASE
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
 
-def task_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
-    """n held-out tasks, domains and difficulties 1-3 in turn, as chat prompts."""
+def held_out_tasks(n: int) -> list[Task]:
+    """n held-out tasks, domains and difficulties 1-3 in turn."""
     domains = [DOMAINS[name] for name in DEFAULT_DOMAINS]
+    return [
+        domains[i % len(domains)].generate(EVAL_SEED_BASE + i, 1 + i // len(domains) % 3)
+        for i in range(n)
+    ]
+
+
+def task_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
+    """`held_out_tasks` as chat prompts."""
     prompts = []
-    for i in range(n):
-        task = domains[i % len(domains)].generate(EVAL_SEED_BASE + i, 1 + i // len(domains) % 3)
+    for task in held_out_tasks(n):
         messages = [{"role": "user", "content": task.prompt}]
         text = tokenizer.apply_chat_template(messages, tools=task.tools)
         prompts.append(tokenizer.encode(text))
