@@ -15,6 +15,12 @@ did not drop), so after a verify step it runs on one or two positions, not on k 
 CPU with compiled decode steps the layer and the head run in graphs of their own
 (`serving/model/graphs/mtp.py`).
 
+Drafts are the MTP head's argmax, a sampled request's too, as vLLM's MTP and EAGLE drafters
+propose: the verify step's rejection sampler then takes them as proposed deterministically
+(q one-hot on the draft: kept with probability p(x)), which keeps the output distributed as
+plain decoding's, and no draft pays for a filtered distribution and a draw, on a CPU most of
+a sampled draft's cost. The draft model, a sampler of its own, draws from its q instead.
+
 Steps without speculation (a busy engine) skip the catch-up to save its cost, and so does a
 sequence that has decoded `IDLE_STEPS_KEPT` steps in a row without drafts (its lookahead
 fell to 0 and a probe did not revive it, or it cannot speculate): such sequences lose
@@ -31,7 +37,6 @@ from serving.model.graphs.decode import DecodeGraphs
 from serving.model.graphs.mtp import DraftRows, MTPDraftStep, MTPGraphs
 from serving.model.paged import PagedModel
 from serving.model.spans import TokenSpan, graph_rows
-from speculative.draft_model import propose_tokens
 from speculative.proposer import BlockAllocator, DraftSequence, TargetStep
 
 # A sequence decoding without drafts keeps its MTP context this many steps (the speculator
@@ -120,7 +125,6 @@ class MTPProposer:
             return
         pick = torch.tensor([owners[s.seq_id] for s, _ in drafting])
         rows = DraftRows(caught_up.hidden[pick], caught_up.logits[pick])
-        probs: dict[int, list[torch.Tensor | None]] = {s.seq_id: [] for s, _ in drafting}
         for depth in range(max(k for _, k in drafting)):
             if depth:  # chain: position N + depth - 1 needs a block
                 keep = [
@@ -140,16 +144,11 @@ class MTPProposer:
                     for s, _ in drafting
                 ]
                 rows = self.draft_rows(chained, rows.hidden)
-            tokens, qs = propose_tokens(rows.logits, [s for s, _ in drafting])
-            for (s, _), token, q in zip(drafting, tokens, qs, strict=True):
+            tokens = rows.logits.argmax(dim=-1).tolist()
+            for (s, _), token in zip(drafting, tokens, strict=True):
                 s.draft_token_ids.append(token)
-                probs[s.seq_id].append(q)
         for s, _ in drafting:
             self.chained[s.seq_id] = (s.num_computed_tokens, s.draft_token_ids[:-1])
-        for s in seqs:
-            qs = probs.get(s.seq_id)
-            if qs and qs[0] is not None:
-                s.draft_probs = torch.stack(qs)
 
     @staticmethod
     def _chained_prefix(

@@ -203,6 +203,21 @@ def test_a_drafter_not_ready_yet_leaves_steps_without_drafts(chat_prompts, monke
     assert drafts("later", chat_prompts[1]) > 0
 
 
+def test_mtp_drafts_a_sampled_request_by_argmax_without_a_distribution(chat_prompts):
+    """The MTP head's argmax, a sampled request's too: the verify step takes such drafts as
+    proposed deterministically (q one-hot), which `test_rejection.py` holds exact."""
+    engine = _engine(SpeculativeConfig(method="mtp"))
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=3)
+    engine.add_request("sampled", chat_prompts[2], params)
+    drafted = 0
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            drafted += len(seq.draft_token_ids)
+            assert seq.draft_probs is None
+    assert drafted > 0
+
+
 def test_lookahead_follows_acceptance():
     free, dear = StepCost(fixed=0.5, per_draft=0.0), StepCost(fixed=0.5, per_draft=0.25)
     assert best_lookahead(0.95, free, 8) == 8  # cheap, accurate drafts: draft far
