@@ -188,7 +188,7 @@ class LLMEngine:
         return Progress(
             sum(p.compiled for p in parts),
             sum(p.wanted for p in parts),
-            all(p.ready for p in parts[:1]),
+            parts[0].ready if parts else True,
             all(p.done for p in parts),
         )
 

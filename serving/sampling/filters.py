@@ -80,15 +80,22 @@ def _top_k_top_p(
     logits: torch.Tensor, params: list[SamplingParams], use_k: bool, use_p: bool
 ) -> torch.Tensor:
     """Masks to -inf what top_k (exactly k ranks) and then top_p remove; one sort for both.
+    When every row has a top_k, only the max(top_k) best columns are sorted (a top-k): on a
+    CPU a sort of the whole vocabulary costs far more, and speculative decoding filters once
+    a verify step.
 
     top_p drops a token when the probability of the tokens ranked above it already
     reaches top_p (vLLM's rule), always keeping the best one.
     """
     vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    cut = use_k and all(p.top_k > 0 for p in params)
+    if cut:
+        sorted_logits, order = logits.topk(min(max(p.top_k for p in params), vocab), dim=-1)
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
     if use_k:
         k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=order.device)
-        ranks = torch.arange(vocab, device=order.device)
+        ranks = torch.arange(sorted_logits.shape[1], device=order.device)
         sorted_logits.masked_fill_(ranks >= k.unsqueeze(1), -math.inf)
     if use_p:
         # inf for disabled rows, so float error in the cumsum never trims their tail
@@ -98,4 +105,5 @@ def _top_k_top_p(
         drop = mass_above >= torch.tensor(top_p, device=probs.device).unsqueeze(1)
         drop[:, 0] = False
         sorted_logits.masked_fill_(drop, -math.inf)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    out = torch.full_like(logits, -math.inf) if cut else torch.empty_like(logits)
+    return out.scatter_(1, order, sorted_logits)

@@ -22,17 +22,9 @@ from serving.sampling.sampler import inverse_transform
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[n, V] logits -> the distributions the sampler draws from, one per row. With a top_k,
-    only the k best columns are filtered and normalised, the rest zero, as the sampler cuts
-    them: a CPU sort of the whole vocabulary (top_p's) costs far more than a top-k, and a
-    speculative step runs this once a draft and once to verify."""
+    """[n, V] logits -> the distributions the sampler draws from, one per row."""
     scaled = logits.float() / params.temperature
-    rows = [params] * scaled.shape[0]
-    if 0 < params.top_k < scaled.shape[-1]:
-        best, columns = scaled.topk(params.top_k, dim=-1)
-        probs = filter_logits(best, rows).softmax(dim=-1)
-        return torch.zeros_like(scaled).scatter_(1, columns, probs)
-    return filter_logits(scaled, rows).softmax(dim=-1)
+    return filter_logits(scaled, [params] * scaled.shape[0]).softmax(dim=-1)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
