@@ -15,21 +15,27 @@ stopped (SIGSTOP), so the reference has the machine to itself, as the tier has (
 compile process under a lone stream). Full speed is then the first median over the later,
 each over the reference's beside it; the raw ratio is printed too.
 
-`--kill` then starts `tierserve serve` over two tiers of the checkpoint (warm cache), waits
-for the full tier's standby to be past its imports, puts the server under load, SIGKILLs the
-full tier and times its recovery: from the kill to the gateway's /health saying the tier is
-ready again; then its one-stream speed right away and a minute later, each beside the
-highspeed tier's (the same checkpoint, up all along), as above. `--kill-only` runs only
-that, its cache warmed first.
+`--speculative-config JSON` gives every engine (the reference's too) vLLM's speculative
+decoding flag: a drafter's graphs compile after the target's, and until one is in the tier
+decodes without drafts, so its first requests are plain decoding's against drafting later.
+
+`--kill` then starts `tierserve serve` over two tiers of the checkpoint, waits for the steady
+state (both tiers' every graph size in, the full tier's standby past its imports), puts the
+server under load, SIGKILLs the full tier and times its recovery: from the kill to the
+gateway's /health saying the tier is ready again; then its one-stream speed right away and a
+minute later, each beside the highspeed tier's (the same checkpoint, up all along), as above.
+`--kill-only` runs only that.
 
 Each run has a cache directory of its own (inductor's caches and the C++ extension that
 `kernels/cpu_attention.py` builds), so cold is cold and no other checkout's builds interfere.
 
     python -m loadtests.bench_startup [--checkpoint DIR] [--dtype float32] [--kill | --kill-only]
+        [--speculative-config '{"method": "mtp", "num_speculative_tokens": 4}']
 """
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import statistics
@@ -130,6 +136,16 @@ def stopped(pid: int) -> Iterator[None]:
                 p.resume()
 
 
+@dataclass(frozen=True)
+class Tier:
+    """What every engine of a run serves, and how."""
+
+    checkpoint: Path
+    dtype: str
+    threads: int
+    speculative: dict | None  # `--speculative-config`, as vLLM's
+
+
 @dataclass
 class Reference:
     """A warm engine whose speed, taken beside a tier's, tells the machine's from the tier's."""
@@ -148,11 +164,9 @@ class Reference:
 
 
 @contextlib.contextmanager
-def reference_engine(
-    checkpoint: Path, cache: Path, dtype: str, threads: int, log: Path
-) -> Iterator[Reference]:
+def reference_engine(tier: Tier, cache: Path, log: Path) -> Iterator[Reference]:
     """The reference: spawned, every graph size compiled, one request served."""
-    server, root = spawn_engine(checkpoint, cache, dtype, threads, log)
+    server, root = spawn_engine(tier, cache, log)
     try:
         wait_ready(root, 900, server, log)
         while "warmup" in httpx.get(f"{root}/health", timeout=5).json():
@@ -164,28 +178,28 @@ def reference_engine(
         server.wait(60)
 
 
-def spawn_engine(
-    checkpoint: Path, cache: Path, dtype: str, threads: int, log: Path
-) -> tuple[subprocess.Popen, str]:
+def spawn_engine(tier: Tier, cache: Path, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-c", "from serving.cli import main; main()", "engine"]
-    command += ["--model", str(checkpoint), "--port", str(port), "--dtype", dtype]
+    command += ["--model", str(tier.checkpoint), "--port", str(port), "--dtype", tier.dtype]
     command += ["--served-model-name", "bench"]
+    if tier.speculative is not None:
+        command += ["--speculative-config", json.dumps(tier.speculative)]
     with log.open("w") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=out, env=cache_env(cache, threads))
+        env = cache_env(cache, tier.threads)
+        server = subprocess.Popen(command, stdout=out, stderr=out, env=env)
     return server, f"http://127.0.0.1:{port}"
 
 
 def start_tier(
-    checkpoint: Path, cache: Path, dtype: str, threads: int, log: Path, later_s: float,
-    reference: Reference,
-) -> dict[str, float]:  # fmt: skip
+    tier: Tier, cache: Path, log: Path, later_s: float, reference: Reference
+) -> dict[str, float]:
     """Spawn to /health 200 (ready: one stream at full speed), the one-stream speed right
     after it and `later_s` after the spawn, each beside the reference's, every graph size
     loaded by then, and spawn to that (the larger ones compiled apart,
     `serving/engine/compile_process.py`; /health without `warmup`)."""
     begin = time.monotonic()
-    server, root = spawn_engine(checkpoint, cache, dtype, threads, log)
+    server, root = spawn_engine(tier, cache, log)
     try:
         wait_ready(root, 900, server, log)
         ready = time.monotonic() - begin
@@ -229,18 +243,28 @@ def full_tier(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=5).json()["tiers"]["full"]
 
 
-def kill_under_load(
-    checkpoint: Path, cache: Path, dtype: str, workdir: Path, later_s: float
-) -> dict[str, float]:
+def steady(url: str) -> bool:
+    """Whether the gateway is in the state a kill should find: every graph size of both tiers
+    in (before, the replacement would go on compiling the rest beside its first requests: its
+    threads' count has graphs of its own, which the bench's one-tier starts did not compile)
+    and the full tier's standby past its imports (before, the replacement waits for the rest
+    of them)."""
+    tiers = httpx.get(f"{url}/health", timeout=5).json()["tiers"]
+    return tiers["full"]["standby_ready"] and not any("warmup" in t for t in tiers.values())
+
+
+def kill_under_load(tier: Tier, cache: Path, workdir: Path, later_s: float) -> dict[str, float]:
     """Recovery from a SIGKILL of the full tier under load, then one stream on it right away
     and `later_s` after, each beside the highspeed tier (the same checkpoint, up all along)
     as the reference."""
-    tier = {"model": str(checkpoint), "dtype": dtype, "threads": 1}
+    engine = {"model": str(tier.checkpoint), "dtype": tier.dtype, "threads": 1}
+    if tier.speculative is not None:
+        engine["speculative"] = tier.speculative
     port = free_port()
     config = {
         "port": port,
-        "tiers": {"full": tier | {"served_model_name": "bench-full"},
-                  "highspeed": tier | {"served_model_name": "bench-fast"}},
+        "tiers": {"full": engine | {"served_model_name": "bench-full"},
+                  "highspeed": engine | {"served_model_name": "bench-fast"}},
         "supervisor": {"restart_backoff_s": 0.5},
     }  # fmt: skip
     path = workdir / "gateway.yaml"
@@ -254,10 +278,8 @@ def kill_under_load(
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, 900, gateway, log)
-        # A tier killed in steady state: its standby past its imports (a kill before that
-        # waits for the rest of them).
-        while not full_tier(url)["standby_ready"]:
-            time.sleep(0.1)
+        while not steady(url):
+            time.sleep(0.5)
         pid = full_tier(url)["pid"]
         loads = [Load(url) for _ in range(4)]
         for load in loads:
@@ -310,21 +332,23 @@ def main() -> None:
     ap.add_argument(
         "--later-s", type=float, default=300, help="when after the spawn full speed is measured"
     )
+    ap.add_argument(
+        "--speculative-config", type=json.loads, metavar="JSON", help="every engine's, as vLLM's"
+    )
     args = ap.parse_args()
     checkpoint = build_checkpoint(args.checkpoint)
+    tier = Tier(checkpoint, args.dtype, args.threads, args.speculative_config)
     with tempfile.TemporaryDirectory() as tmp:
         cache, log = Path(tmp) / "cache", Path(tmp) / "engine.log"
         reference_cache = cache if args.kill_only else Path(tmp) / "reference-cache"
-        with reference_engine(
-            checkpoint, reference_cache, args.dtype, args.threads, Path(tmp) / "reference.log"
-        ) as reference:
-            tier = (checkpoint, cache, args.dtype, args.threads, log, args.later_s, reference)
-            rows = [] if args.kill_only else [(n, start_tier(*tier)) for n in ("cold", "warm")]
+        with reference_engine(tier, reference_cache, Path(tmp) / "reference.log") as reference:
+            starts = ("cold", "warm") if not args.kill_only else ()
+            rows = [(n, start_tier(tier, cache, log, args.later_s, reference)) for n in starts]
         killed = None
         if args.kill or args.kill_only:
-            work = (checkpoint, cache, args.dtype, Path(tmp), args.kill_later_s)
-            killed = kill_under_load(*work)
-    print(f"\n`tierserve engine --model {checkpoint.name} --dtype {args.dtype}`, "
+            killed = kill_under_load(tier, cache, Path(tmp), args.kill_later_s)
+    spec = f" --speculative-config '{json.dumps(tier.speculative)}'" if tier.speculative else ""
+    print(f"\n`tierserve engine --model {checkpoint.name} --dtype {args.dtype}{spec}`, "
           f"{args.threads} threads; "
           f"one stream: {NEW_TOKENS} new tokens, greedy")  # fmt: skip
     print(f"| cache | spawn to ready (/health 200) s | first {SPEED_REQUESTS} requests tok/s "
