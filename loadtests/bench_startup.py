@@ -366,7 +366,7 @@ def main() -> None:
         k = killed
         first, later = k["first"] / k["ref_first"], k["later"] / k["ref_later"]
         print(f"\nSIGKILL of the full tier under load (`tierserve serve`, two tiers, 1 thread "
-              f"each, warm cache, the tier's standby ready): back ready in "
+              f"each, killed in the steady state): back ready in "
               f"{k['recovery_s']:.1f} s; then one stream {k['first']:.0f} tok/s (the highspeed "
               f"tier's beside: {k['ref_first']:.0f}) against {k['later']:.0f} "
               f"({k['ref_later']:.0f}) {args.kill_later_s:.0f} s later: raw "
