@@ -30,7 +30,7 @@ Each run has a cache directory of its own (inductor's caches and the C++ extensi
 `kernels/cpu_attention.py` builds), so cold is cold and no other checkout's builds interfere.
 
     python -m loadtests.bench_startup [--checkpoint DIR] [--dtype float32] [--kill | --kill-only]
-        [--speculative-config '{"method": "mtp", "num_speculative_tokens": 4}']
+        [--speculative-config '{"method": "mtp", "num_speculative_tokens": 4}'] [--logs DIR]
 """
 
 import argparse
@@ -335,18 +335,23 @@ def main() -> None:
     ap.add_argument(
         "--speculative-config", type=json.loads, metavar="JSON", help="every engine's, as vLLM's"
     )
+    ap.add_argument("--logs", type=Path, help="keep every server's log here (default: dropped)")
     args = ap.parse_args()
     checkpoint = build_checkpoint(args.checkpoint)
     tier = Tier(checkpoint, args.dtype, args.threads, args.speculative_config)
     with tempfile.TemporaryDirectory() as tmp:
-        cache, log = Path(tmp) / "cache", Path(tmp) / "engine.log"
+        cache, logs = Path(tmp) / "cache", args.logs or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
         reference_cache = cache if args.kill_only else Path(tmp) / "reference-cache"
-        with reference_engine(tier, reference_cache, Path(tmp) / "reference.log") as reference:
+        with reference_engine(tier, reference_cache, logs / "reference.log") as reference:
             starts = ("cold", "warm") if not args.kill_only else ()
-            rows = [(n, start_tier(tier, cache, log, args.later_s, reference)) for n in starts]
+            rows = [
+                (n, start_tier(tier, cache, logs / f"engine-{n}.log", args.later_s, reference))
+                for n in starts
+            ]
         killed = None
         if args.kill or args.kill_only:
-            killed = kill_under_load(tier, cache, Path(tmp), args.kill_later_s)
+            killed = kill_under_load(tier, cache, logs, args.kill_later_s)
     spec = f" --speculative-config '{json.dumps(tier.speculative)}'" if tier.speculative else ""
     print(f"\n`tierserve engine --model {checkpoint.name} --dtype {args.dtype}{spec}`, "
           f"{args.threads} threads; "
