@@ -245,10 +245,10 @@ def full_tier(url: str) -> dict:
 
 def steady(url: str) -> bool:
     """Whether the gateway is in the state a kill should find: every graph size of both tiers
-    in (before, the replacement would go on compiling the rest beside its first requests: its
-    threads' count has graphs of its own, which the bench's one-tier starts did not compile)
-    and the full tier's standby past its imports (before, the replacement waits for the rest
-    of them)."""
+    in (before, the replacement would go on compiling the rest beside its first requests; the
+    tiers run one thread each, and inductor generates a graph's kernels for a thread count, so
+    theirs are not the ones the bench's two-thread starts cached) and the full tier's standby
+    past its imports (before, the replacement waits for the rest of them)."""
     tiers = httpx.get(f"{url}/health", timeout=5).json()["tiers"]
     return tiers["full"]["standby_ready"] and not any("warmup" in t for t in tiers.values())
 
