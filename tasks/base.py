@@ -85,6 +85,7 @@ class SingleAnswerEpisode(Episode):
 
 class Domain(ABC):
     name: str
+    checks_working = False  # whether `first_error` can find a false step
 
     @abstractmethod
     def generate(self, seed: int, difficulty: int) -> Task:
@@ -100,6 +101,12 @@ class Domain(ABC):
     def reasons(self, style: Style) -> bool:
         """Whether a reference answer in `style` opens with a reasoning block."""
         return style == "think"
+
+    def first_error(self, task: Task, completion: str) -> tuple[int, int] | None:
+        """The character span of the first step of an answer's working that the domain shows
+        wrong on its own, without the final verdict; None where it shows none (or has no
+        such check). RL puts the blame for a failed answer there."""
+        return None
 
     def drill(self, seed: int, difficulty: int) -> str | None:
         """A pretraining document of the domain's own, for a skill a solved task's text

@@ -33,6 +33,7 @@ from tasks.base import (
     Task,
     Verdict,
 )
+from tasks.math_working import first_false_line
 
 # difficulty -> (min operations, max operations, max operand digits, max factor digits)
 LEVELS = {1: (1, 2, 2, 1), 2: (2, 3, 4, 2), 3: (3, 4, 4, 2)}
@@ -295,6 +296,7 @@ class MathEpisode(SingleAnswerEpisode):
 
 class MathDomain(Domain):
     name = "math"
+    checks_working = True
 
     def generate(self, seed: int, difficulty: int) -> Task:
         if not MIN_DIFFICULTY <= difficulty <= MAX_DIFFICULTY:
@@ -332,3 +334,6 @@ class MathDomain(Domain):
 
     def start(self, task: Task) -> Episode:
         return MathEpisode(task)
+
+    def first_error(self, task: Task, completion: str) -> tuple[int, int] | None:
+        return first_false_line(task, completion)

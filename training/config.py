@@ -162,6 +162,11 @@ class RLConfig(BaseModel):
     track_kl: bool = True
     overlong_cache: int = Field(64, ge=1)  # the penalty ramps over the budget's last tokens
     dynamic_sampling: bool = True  # drop groups whose verdicts are all equal
+    # > 0: where a domain finds an answer's first false step (math: a line whose identity does
+    # not hold), the advantage is placed by it and the step costs this much more
+    # (training/objectives/grpo.py `located_advantages`); a dropped group's answers then
+    # still train on their false steps
+    step_penalty: float = Field(0.0, ge=0)
     # None: a fresh task at every draw; N: a dataset of N tasks (domains and difficulties from
     # the data config's fixed mix), visited in a new seeded order each epoch, as TRL's trainer
     # visits its dataset, so the training reward measures learning on the prompts it trains on

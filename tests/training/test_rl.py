@@ -1,22 +1,33 @@
 """GRPO / DAPO pieces on fixed tensors: advantages, clip-higher, token-level sums, dynamic
-sampling (on the verdicts, not the overlong penalty), the overlong penalty, the k3 KL,
+sampling (on the verdicts, not the overlong penalty), the overlong penalty, advantages placed
+by a located false step, the k3 KL,
 domain weights that follow progress, the tasks a step draws, and how a step's rows split."""
 
 import pytest
 import torch
 
+from serving.model.tokenizer import Tokenizer
 from tasks import Task
+from tasks.math import MathDomain
 from training.config import RLConfig
 from training.objectives.grpo import (
     DomainWeights,
     group_advantages,
     informative,
     kl_k3_sum,
+    located_advantages,
     overlong_penalty,
     policy_loss_sum,
     ratio_stats,
 )
-from training.stages.rl import RLStage, episode_advantages, micro_batch_rows, step_tasks
+from training.stages.rl import (
+    RLStage,
+    episode_advantages,
+    false_steps,
+    micro_batch_rows,
+    step_tasks,
+    turn_rows,
+)
 from training.stages.rollouts import Rollout, Turn
 
 
@@ -85,7 +96,7 @@ def test_clip_higher_is_asymmetric_and_the_loss_is_a_token_sum() -> None:
     # ratios 1.5 (positive advantage: clipped at 1.28), 0.5 (negative: clipped at 0.8).
     new = torch.log(torch.tensor([[1.5, 1.0, 1.0], [0.5, 1.0, 1.0]]))
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    adv = torch.tensor([2.0, -1.0])
+    adv = torch.tensor([[2.0], [-1.0]])  # one per answer, the same for each of its tokens
     loss, clip_frac = policy_loss_sum(new, old, adv, mask, eps_low=0.2, eps_high=0.28)
     # row 0: min(1.5*2, 1.28*2) = 2.56, then 1*2 (third token masked)
     # row 1: min(0.5*-1, 0.8*-1) = -0.8, then -1, -1
@@ -95,9 +106,7 @@ def test_clip_higher_is_asymmetric_and_the_loss_is_a_token_sum() -> None:
 
 def test_unclipped_gradient_follows_the_advantage() -> None:
     new = torch.zeros(1, 2, requires_grad=True)
-    loss, _ = policy_loss_sum(
-        new, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), 0.2, 0.28
-    )
+    loss, _ = policy_loss_sum(new, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), 0.2, 0.28)
     loss.backward()
     assert (new.grad < 0).all()  # descent raises the log-probability of a good answer
 
@@ -165,9 +174,42 @@ def test_a_fixed_prompt_set_is_visited_once_an_epoch_and_fresh_draws_never_repea
 
 def test_micro_batches_hold_rows_of_like_length_and_every_row_once() -> None:
     lengths = [3, 90, 5, 88, 4, 91, 6, 87]  # completion lengths, short and long interleaved
-    rows = [([1, 2], [7] * n, [-0.5] * n, float(i)) for i, n in enumerate(lengths)]
+    rows = [([1, 2], [7] * n, [-0.5] * n, [float(i)] * n) for i, n in enumerate(lengths)]
     parts = micro_batch_rows(rows, 2, pad_id=0)
     assert [sorted(len(r[1]) for r in part) for part in parts] == [[3, 4, 5, 6], [87, 88, 90, 91]]
-    assert sorted(r[3] for part in parts for r in part) == [float(i) for i in range(8)]
+    assert sorted(r[3][0] for part in parts for r in part) == [float(i) for i in range(8)]
     padding = micro_batch_rows(rows[:1], 3, pad_id=0)
-    assert len(padding) == 3 and padding[1] == padding[2] == [([0, 0], [], [], 0.0)]
+    assert len(padding) == 3 and padding[1] == padding[2] == [([0, 0], [], [], [])]
+
+
+def test_a_located_false_step_places_the_advantage() -> None:
+    assert located_advantages(-0.5, 4, None, 1.0) == [-0.5] * 4
+    # Failed: the checked prefix is not pushed down, the false step costs the penalty more.
+    assert located_advantages(-0.5, 6, (2, 4), 1.0) == [0, 0, -1.5, -1.5, -0.5, -0.5]
+    # Right by luck: the prefix keeps its reward, nothing from the false step on is raised.
+    assert located_advantages(0.8, 5, (1, 2), 1.0) == [0.8, -1.0, 0, 0, 0]
+    # A dropped group's answer (no outcome signal) trains on its false step alone.
+    assert located_advantages(0.0, 4, (3, 4), 1.0) == [0, 0, 0, -1.0]
+
+
+def test_false_steps_are_found_in_the_sampled_tokens(random_checkpoint) -> None:
+    tokenizer = Tokenizer.from_dir(random_checkpoint)
+    domain = MathDomain()
+    task = domain.generate(3, 2)
+    lines = domain.reference(task, "short")[0].splitlines(keepends=True)
+    slip = next(i for i, line in enumerate(lines) if "=" in line)
+    wrong = lines[slip].replace("=", "=9", 1)
+    ids = tokenizer.encode("".join([*lines[:slip], wrong, *lines[slip + 1 :]]))
+    good = tokenizer.encode("".join(lines))
+    rollouts = [
+        Rollout(task, g, [Turn([1], c, [0.0] * len(c))], 0.0) for g, c in enumerate([ids, good])
+    ]
+    errors = [false_steps(r, tokenizer) for r in rollouts]
+    assert errors[1] == [None]
+    ((start, end),) = errors[0]
+    assert tokenizer.decode(ids[start:end], False).strip() == wrong.strip()
+    # A dropped group (advantage None): the answer with a false step still makes a row, whose
+    # tokens other than the false step's carry nothing.
+    (row,) = turn_rows(rollouts[0], None, 1024, errors[0], penalty=1.0)
+    assert [i for i, a in enumerate(row[3]) if a] == list(range(start, end))
+    assert turn_rows(rollouts[1], None, 1024, errors[1], penalty=1.0) == []

@@ -60,7 +60,7 @@ def policy(random_checkpoint: Path) -> tuple[CausalLM, Tokenizer, RLBatch, list[
 
 def test_rollout_logprobs_are_the_trainers(policy) -> None:
     model, _, batch, rows = policy
-    assert len({adv for *_, adv in rows}) > 2, "the toy rewards differ within groups"
+    assert len({adv[0] for *_, adv in rows}) > 2, "the toy rewards differ within groups"
     mask = batch.labels != IGNORE
     with torch.no_grad():
         logp = label_logprobs(model, batch)[0]
@@ -76,7 +76,7 @@ def test_stage_gradient_is_the_hand_written_policy_gradient(policy, random_check
     model.zero_grad()
     # At ratio 1 the clipped surrogate's gradient is A * grad log pi, summed over the answer
     # tokens and divided by the batch's token count (DAPO's token-level loss, TRL's `dapo`).
-    reference = -sum(adv * answer_logprobs(model, row).sum() for row in rows for adv in [row[3]])
+    reference = -sum(adv * answer_logprobs(model, row).sum() for row in rows for adv in [row[3][0]])
     (reference / tokens).backward()
     expected = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad()
@@ -105,7 +105,7 @@ def test_a_step_moves_the_answers_and_the_next_rollouts_sample_it(
         change = [
             (adv, float(answer_logprobs(model, row).sum() - answer_logprobs(before, row).sum()))
             for row in rows
-            for adv in [row[3]]
+            for adv in [row[3][0]]
         ]
     # Answers share parameters, so one may move against its sign; the good ones together rise.
     assert sum(delta for adv, delta in change if adv > 0) > 0, change

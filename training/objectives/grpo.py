@@ -12,6 +12,9 @@ for every token of the answer. DAPO (Yu et al., 2025) adds, and this module impl
   whatever their overlong penalties;
 - an overlong penalty that grows linearly over the last `cache` tokens of the budget.
 
+Where a domain can point at the first false step of an answer's working (math: the first
+line whose identity does not hold), the advantage is placed by it (`located_advantages`).
+
 An optional KL term to the reference uses the k3 estimator (Schulman), as GRPO does.
 """
 
@@ -51,14 +54,31 @@ def policy_loss_sum(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The clipped surrogate summed over the masked tokens, and the share of tokens clipped.
 
-    logprobs / old_logprobs / mask [B, L]; advantages [B] (one per answer)."""
+    logprobs / old_logprobs / mask / advantages [B, L]."""
     ratio = (logprobs - old_logprobs).exp()
-    adv = advantages[:, None]
+    adv = advantages
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
     m = mask.float()
     was_clipped = ((ratio * adv) != surrogate).float()
     return -(surrogate * m).sum(), (was_clipped * m).sum() / m.sum().clamp(min=1)
+
+
+def located_advantages(
+    advantage: float, n: int, error: tuple[int, int] | None, penalty: float
+) -> list[float]:
+    """Each of an answer's `n` tokens' advantage, given the token span of the first false
+    step its domain found (None: none found, every token gets `advantage`). The working
+    before that step is checked right, so it is never pushed down (an answer's outcome
+    standardised against its group's would otherwise blame every line of a long correct
+    chain for one slip); nothing from the step on is pushed up; and the step itself costs
+    `penalty` more. So a group whose answers all failed, which carries no outcome signal
+    (advantage 0), still teaches where each went wrong."""
+    if error is None:
+        return [advantage] * n
+    start, end = error
+    before, after = max(advantage, 0.0), min(advantage, 0.0)
+    return [before] * start + [after - penalty] * (end - start) + [after] * (n - end)
 
 
 def ratio_stats(

@@ -1,5 +1,6 @@
 """Training curves as a PNG: the loss terms and learning rate per step, held-out completion
-rates at each evaluation, and for RL the training reward per domain beside the diagnostics
+rates at each evaluation, and for RL the training reward per domain (and the share of answers
+with a located false step, where the stage looks for them) beside the diagnostics
 that say whether the update follows the reward (importance ratio, clipping, KL, entropy,
 advantage spread, groups without reward variance)."""
 
@@ -75,9 +76,11 @@ def plot_curves(
 
 
 def _plot_rl(rewards, diagnostics, steps: list[int], log: list[dict]) -> None:
-    for key in sorted({k for row in log for k in row if k.startswith("reward/")}):
-        rewards.plot(steps, [row.get(key, nan) for row in log], label=key, linewidth=1)
-    rewards.set(xlabel="step", ylabel="training reward")
+    for prefix, style in (("reward/", "-"), ("false_step/", "--")):
+        for key in sorted({k for row in log for k in row if k.startswith(prefix)}):
+            values = [row.get(key, nan) for row in log]
+            rewards.plot(steps, values, style, label=key, linewidth=1)
+    rewards.set(xlabel="step", ylabel="training reward, false-step share")
     rewards.legend(fontsize=7)
     for key in RL_DIAGNOSTICS:
         if any(key in row for row in log):

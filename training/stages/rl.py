@@ -14,6 +14,7 @@ step's completion tokens (DAPO's token-level loss). With `rl.reward_model`, a le
 reward per objective (training/stages/reward_model.py), merged, joins each verdict.
 """
 
+import bisect
 import random
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +34,7 @@ from training.objectives.grpo import (
     group_advantages,
     informative,
     kl_k3_sum,
+    located_advantages,
     overlong_penalty,
     policy_loss_sum,
     ratio_stats,
@@ -65,7 +67,7 @@ class RLBatch(Batch):
         super().__init__(batch.input_ids, batch.labels, batch.padding_mask)
         self.old_logprobs = old_logprobs  # [B, L], aligned with labels (0 where IGNORE)
         self.ref_logprobs = ref_logprobs  # [B, L], or None when no KL is tracked
-        self.advantages = advantages  # [B]
+        self.advantages = advantages  # [B, L], aligned with labels
 
 
 def label_logprobs(model: CausalLM, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,27 +167,63 @@ def episode_advantages(
 
 
 # One answer turn: prompt ids, completion ids, the completion's sampling log-probabilities,
-# and its episode's advantage.
-Row = tuple[list[int], list[int], list[float], float]
+# and each completion token's advantage.
+Row = tuple[list[int], list[int], list[float], list[float]]
 
 
-def turn_rows(rollout: Rollout, advantage: float, seq_len: int) -> list[Row]:
-    """A row for each of the rollout's turns that fits `seq_len`."""
-    return [
-        (turn.prompt_ids, turn.completion_ids, turn.logprobs, advantage)
-        for turn in rollout.turns
-        if turn.completion_ids and len(turn.prompt_ids) + len(turn.completion_ids) - 1 <= seq_len
-    ]
+def error_tokens(tokenizer: Tokenizer, ids: list[int], error: tuple[int, int]) -> tuple[int, int]:
+    """The tokens of `ids` that hold the characters `error` of their decoded text: the first
+    whose text ends past its start, up to the first whose text reaches its end."""
+
+    def ending_past(offset: int) -> int:  # decoded prefixes only grow, so bisect them
+        return bisect.bisect_right(
+            range(len(ids)), offset, key=lambda i: len(tokenizer.decode(ids[: i + 1], False))
+        )
+
+    start = ending_past(error[0])
+    return start, max(start + 1, min(len(ids), ending_past(error[1] - 1) + 1))
+
+
+def false_steps(rollout: Rollout, tokenizer: Tokenizer) -> list[tuple[int, int] | None]:
+    """Each turn's first false step as its domain finds it (`Domain.first_error`), in tokens."""
+    domain = DOMAINS[rollout.task.domain]
+    spans = []
+    for turn in rollout.turns:
+        found = domain.first_error(rollout.task, tokenizer.decode(turn.completion_ids, False))
+        spans.append(found and error_tokens(tokenizer, turn.completion_ids, found))
+    return spans
+
+
+def turn_rows(
+    rollout: Rollout,
+    advantage: float | None,
+    seq_len: int,
+    errors: list[tuple[int, int] | None] | None = None,
+    penalty: float = 0.0,
+) -> list[Row]:
+    """A row for each of the rollout's turns that fits `seq_len`, each token with its
+    advantage: the episode's (None: its group was dropped), placed by the turn's first false
+    step where `errors` (`false_steps`) has one. A turn with neither teaches nothing and
+    makes no row."""
+    rows = []
+    for i, turn in enumerate(rollout.turns):
+        n, error = len(turn.completion_ids), errors[i] if errors else None
+        if not n or len(turn.prompt_ids) + n - 1 > seq_len or (advantage is None and not error):
+            continue
+        advantages = located_advantages(advantage or 0.0, n, error, penalty)
+        rows.append((turn.prompt_ids, turn.completion_ids, turn.logprobs, advantages))
+    return rows
 
 
 def collate(rows: list[Row], pad_id: int) -> tuple[Batch, torch.Tensor, torch.Tensor]:
-    """The rows' batch, the sampling log-probabilities aligned with its labels (0
-    elsewhere), and the advantages."""
+    """The rows' batch, and the sampling log-probabilities and advantages aligned with its
+    labels (0 elsewhere)."""
     batch = completion_batch([(prompt, completion) for prompt, completion, _, _ in rows], pad_id)
-    old = torch.zeros(batch.labels.shape)
-    for b, (prompt, _, logprobs, _) in enumerate(rows):
+    old, advantages = torch.zeros(batch.labels.shape), torch.zeros(batch.labels.shape)
+    for b, (prompt, _, logprobs, adv) in enumerate(rows):
         old[b, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] = torch.tensor(logprobs)
-    return batch, old, torch.tensor([row[3] for row in rows])
+        advantages[b, len(prompt) - 1 : len(prompt) - 1 + len(adv)] = torch.tensor(adv)
+    return batch, old, advantages
 
 
 def micro_batch_rows(rows: list[Row], n: int, pad_id: int) -> list[list[Row]]:
@@ -195,7 +233,7 @@ def micro_batch_rows(rows: list[Row], n: int, pad_id: int) -> list[list[Row]]:
     loss is a sum over all its rows whatever the split."""
     rows = sorted(rows, key=lambda row: len(row[0]) + len(row[1]))
     size = max(1, -(-len(rows) // n))
-    return [rows[m * size : (m + 1) * size] or [([pad_id] * 2, [], [], 0.0)] for m in range(n)]
+    return [rows[m * size : (m + 1) * size] or [([pad_id] * 2, [], [], [])] for m in range(n)]
 
 
 class RLTrainer(Trainer):
@@ -258,14 +296,23 @@ class RLTrainer(Trainer):
                 stats.setdefault(f"entropy/{domain}", []).extend(
                     -lp for t in r.turns for lp in t.logprobs
                 )
+            # Where each answer first went wrong, in domains that can check their working:
+            # logged always, and with `step_penalty` where its advantage goes.
+            checked = DOMAINS[domain].checks_working
+            errors = [false_steps(r, self.tokenizer) if checked else None for r in group]
+            if checked:
+                stats.setdefault(f"false_step/{domain}", []).extend(float(any(e)) for e in errors)
             flat += not informative([r.reward for r in group])
             group_adv = episode_advantages(group, rl, learned[g] if learned else None)
-            if group_adv is None:
+            if group_adv is not None:
+                kept += 1
+                advantages += group_adv
+            elif rl.step_penalty == 0:
                 continue
-            kept += 1
-            advantages += group_adv
-            for r, adv in zip(group, group_adv, strict=True):
-                rows += turn_rows(r, adv, self.cfg.seq_len)
+            for i, r in enumerate(group):
+                adv = group_adv[i] if group_adv is not None else None
+                placed = errors[i] if rl.step_penalty > 0 else None
+                rows += turn_rows(r, adv, self.cfg.seq_len, placed, rl.step_penalty)
         for key, values in stats.items():
             if key.startswith("success/"):
                 self.weights.update(key.split("/")[1], sum(values) / len(values))
