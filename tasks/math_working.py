@@ -17,7 +17,7 @@ from tasks.base import Task
 # expression rewritten, so its value is the answer's.
 LABEL = re.compile(r"^\s*([\w^ -]*):\s+")
 REWRITTEN = ("Left", "Products first")
-WRITE_CARRY = re.compile(r"^write (\d+) carry (\d+)$")
+WRITE_CARRY = re.compile(r"^write (\d{1,4}) carry (\d{1,4})$")
 
 
 def _integer_value(expr: str) -> int | None:
@@ -27,7 +27,7 @@ def _integer_value(expr: str) -> int | None:
         return None
     try:
         node = ast.parse(expr.strip(), mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, ValueError):  # a null byte is a ValueError
         return None
 
     def value(n: ast.expr) -> int | None:

@@ -38,6 +38,10 @@ def test_reference_working_holds_on_every_line(difficulty: int, style: str) -> N
         ("Left: 220 * 53", False),
         ("Products first: (25 * 8) * 53", True),
         ("The answer is ten = 10", True),  # words: not a claim it can check
+        # Whatever a sampled answer holds is checked without an error of the checker's own.
+        ("  ones: 1\x00=1", True),
+        ("  ones: " + "(" * 300 + "1" + ")" * 300 + "=2", True),
+        ("  ones: 5*8=40, write " + "9" * 5000 + " carry 1", True),
     ],
 )
 def test_line_claims(line: str, holds: bool) -> None:
