@@ -8,6 +8,7 @@ answer's first line whose claims do not hold is where it went wrong: RL puts the
 """
 
 import ast
+import operator
 import re
 
 from tasks.base import Task
@@ -17,6 +18,7 @@ from tasks.base import Task
 # expression rewritten, so its value is the answer's.
 LABEL = re.compile(r"^\s*([\w^ -]*):\s+")
 REWRITTEN = ("Left", "Products first")
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 WRITE_CARRY = re.compile(r"^write (\d{1,4}) carry (\d{1,4})$")
 
 
@@ -36,13 +38,9 @@ def _integer_value(expr: str) -> int | None:
         if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
             v = value(n.operand)
             return None if v is None else -v
-        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Add | ast.Sub | ast.Mult):
+        if isinstance(n, ast.BinOp) and type(n.op) in OPERATORS:
             a, b = value(n.left), value(n.right)
-            if a is None or b is None:
-                return None
-            if isinstance(n.op, ast.Mult):
-                return a * b
-            return a + b if isinstance(n.op, ast.Add) else a - b
+            return None if a is None or b is None else OPERATORS[type(n.op)](a, b)
         return None
 
     return value(node)
