@@ -167,6 +167,11 @@ class RLConfig(BaseModel):
     # (training/objectives/grpo.py `located_advantages`); a dropped group's answers then
     # still train on their false steps
     step_penalty: float = Field(0.0, ge=0)
+    # "think" / "short": each group also holds the domain's reference answer in that style (the
+    # policy's own), scored by the verifier and trained on as one more member of the group,
+    # off-policy (LUFFY's mixed-policy GRPO): a group whose sampled answers all failed then
+    # still has a success to learn from. None: the sampled answers alone
+    reference_style: Literal["think", "short"] | None = None
     # None: a fresh task at every draw; N: a dataset of N tasks (domains and difficulties from
     # the data config's fixed mix), visited in a new seeded order each epoch, as TRL's trainer
     # visits its dataset, so the training reward measures learning on the prompts it trains on

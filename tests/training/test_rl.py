@@ -1,7 +1,8 @@
 """GRPO / DAPO pieces on fixed tensors: advantages, clip-higher, token-level sums, dynamic
 sampling (on the verdicts, not the overlong penalty), the overlong penalty, advantages placed
 by a located false step, the k3 KL,
-domain weights that follow progress, the tasks a step draws, and how a step's rows split."""
+domain weights that follow progress, the tasks a step draws, how a step's rows split, and a
+reference answer as an off-policy member of its group."""
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from training.stages.rl import (
     step_tasks,
     turn_rows,
 )
-from training.stages.rollouts import Rollout, Turn
+from training.stages.rollouts import Rollout, Turn, reference_rollout
 
 
 def test_group_advantages_are_standardised_within_each_group() -> None:
@@ -213,3 +214,26 @@ def test_false_steps_are_found_in_the_sampled_tokens(random_checkpoint) -> None:
     (row,) = turn_rows(rollouts[0], None, 1024, errors[0], penalty=1.0)
     assert [i for i, a in enumerate(row[3]) if a] == list(range(start, end))
     assert turn_rows(rollouts[1], None, 1024, errors[1], penalty=1.0) == []
+
+
+def test_a_reference_answer_joins_its_group_as_an_off_policy_success(random_checkpoint) -> None:
+    tokenizer = Tokenizer.from_dir(random_checkpoint)
+    domain = MathDomain()
+    task = domain.generate(5, 3)
+    reference = reference_rollout(tokenizer, task, "short", 8)
+    assert (reference.reward, reference.off_policy, reference.sample) == (1.0, True, 8)
+    (turn,) = reference.turns
+    # Rendered as a sampled turn is, tokenized as SFT tokenizes an answer.
+    messages = [{"role": "user", "content": task.prompt}]
+    assert turn.prompt_ids == tokenizer.encode(tokenizer.apply_chat_template(messages))
+    eos = tokenizer.raw.token_to_id(tokenizer.eos_token)
+    assert turn.completion_ids == [*tokenizer.encode(domain.reference(task, "short")[0]), eos]
+    # Eight sampled failures: the group is informative only through the reference, which is
+    # raised and carries no sampling log-probabilities; the failures are lowered.
+    failed = [Rollout(task, g, [Turn([1], [5, 6], [-0.1, -0.2])], 0.0) for g in range(8)]
+    advantages = episode_advantages([*failed, reference], RLConfig(max_tokens=1024))
+    assert advantages is not None and advantages[-1] > 0 > advantages[0]
+    (row,) = turn_rows(reference, advantages[-1], 1024)
+    assert row[2] is None and set(row[3]) == {advantages[-1]}
+    (sampled,) = turn_rows(failed[0], advantages[0], 1024)
+    assert sampled[2] == [-0.1, -0.2]

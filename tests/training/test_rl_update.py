@@ -54,7 +54,8 @@ def policy(random_checkpoint: Path) -> tuple[CausalLM, Tokenizer, RLBatch, list[
     model = load_checkpoint(random_checkpoint, keep_fp4=False).train()
     tokenizer = Tokenizer.from_dir(random_checkpoint)
     rows = rollout_rows(model, tokenizer)
-    batch, old, adv = collate(rows, pad_id(tokenizer))
+    batch, old, adv, off_policy = collate(rows, pad_id(tokenizer))
+    assert not off_policy.any()
     return model, tokenizer, RLBatch(batch, old, None, adv), rows
 
 
@@ -85,6 +86,36 @@ def test_stage_gradient_is_the_hand_written_policy_gradient(policy, random_check
     assert norm > 1e-3
     error = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(ours, expected, strict=True)))
     assert error < 1e-4 * norm, (float(error), float(norm))
+
+
+def test_a_reference_answer_trains_as_sft_weighted_by_its_advantage(
+    policy, random_checkpoint
+) -> None:
+    """A row with no sampling log-probabilities (a reference answer): its ratio is 1, so its
+    gradient is its advantage times its log-probability's, beside the sampled rows' policy
+    gradient; the ratio's statistics leave it out."""
+    model, tokenizer, _, rows = policy
+    prompt, completion = rows[0][0], rows[0][1]
+    reference: Row = (prompt, completion[::-1], None, [1.5] * len(completion))
+    mixed = [*rows, reference]
+    batch, old, adv, off_policy = collate(mixed, pad_id(tokenizer))
+    assert int(off_policy.sum()) == len(completion)
+    rl_batch = RLBatch(batch, old, None, adv, off_policy)
+    model.zero_grad()
+    parts = rl_loss(RLStage(init=str(random_checkpoint)))(model, rl_batch)
+    parts.token_sum.backward()
+    ours = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    expected = -sum(row[3][0] * answer_logprobs(model, row).sum() for row in mixed)
+    expected.backward()
+    theirs = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    norm = torch.sqrt(sum((g**2).sum() for g in theirs))
+    error = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(ours, theirs, strict=True)))
+    assert error < 1e-4 * norm, (float(error), float(norm))
+    # Its old log-probabilities are 0 in the batch: counted, the ratio would be far from 1.
+    assert parts.metrics["ratio_max_dev"] < 1e-3
+    assert parts.metrics["clip_frac"] == 0.0
 
 
 def test_a_step_moves_the_answers_and_the_next_rollouts_sample_it(

@@ -11,7 +11,9 @@ checkpointed with the model. Each answer turn becomes one training row (prompt, 
 the sampling log-probabilities, its episode's advantage); the rows of a step are split over
 the `grad_accum` micro-batches by length, and the trainer divides the summed token losses by the
 step's completion tokens (DAPO's token-level loss). With `rl.reward_model`, a learned
-reward per objective (training/stages/reward_model.py), merged, joins each verdict.
+reward per objective (training/stages/reward_model.py), merged, joins each verdict. With
+`rl.reference_style`, the domain's reference answer joins each group as a member no sampling
+drew (LUFFY's mixed-policy GRPO), so a task the policy never solves still teaches.
 """
 
 import bisect
@@ -43,7 +45,7 @@ from training.objectives.losses import LossParts, token_losses
 from training.objectives.reward_model import load_reward_model
 from training.stages.policy import post_train, trainable_policy
 from training.stages.reward_model import merged_rewards
-from training.stages.rollouts import Rollout, inference_copy, play
+from training.stages.rollouts import Rollout, inference_copy, play, reference_rollout
 from training.stages.trainer import EvalFn, Trainer
 
 
@@ -63,11 +65,14 @@ class RLBatch(Batch):
         old_logprobs: torch.Tensor,
         ref_logprobs: torch.Tensor | None,
         advantages: torch.Tensor,
+        off_policy: torch.Tensor | None = None,
     ) -> None:
         super().__init__(batch.input_ids, batch.labels, batch.padding_mask)
         self.old_logprobs = old_logprobs  # [B, L], aligned with labels (0 where IGNORE)
         self.ref_logprobs = ref_logprobs  # [B, L], or None when no KL is tracked
         self.advantages = advantages  # [B, L], aligned with labels
+        # [B, L] bool: the tokens of reference answers, which no sampling drew; None: none
+        self.off_policy = off_policy
 
 
 def label_logprobs(model: CausalLM, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,11 +89,18 @@ def rl_loss(config: RLStage) -> Any:
     def loss(model: CausalLM, batch: RLBatch) -> LossParts:
         mask = batch.labels != IGNORE
         logp, logits = label_logprobs(model, batch)
+        old, sampled = batch.old_logprobs, mask
+        if batch.off_policy is not None:
+            # A reference answer's tokens have no sampling probability: their ratio is taken
+            # to the policy itself (1, never clipped), so their gradient is the advantage
+            # times their log-probability's, as in SFT weighted by the advantage.
+            old = torch.where(batch.off_policy, logp.detach(), old)
+            sampled = mask & ~batch.off_policy
         objective, clipped = policy_loss_sum(
-            logp, batch.old_logprobs, batch.advantages, mask, rl.eps_low, rl.eps_high
+            logp, old, batch.advantages, mask, rl.eps_low, rl.eps_high
         )
         metrics = {"clip_frac": clipped.item()}
-        metrics |= ratio_stats(logp.detach(), batch.old_logprobs, mask)
+        metrics |= ratio_stats(logp.detach(), old, sampled)
         if batch.ref_logprobs is not None:  # the KL to `init`: a term, or only tracked
             kl = kl_k3_sum(logp if rl.kl_coef > 0 else logp.detach(), batch.ref_logprobs, mask)
             objective = objective + rl.kl_coef * kl
@@ -166,9 +178,9 @@ def episode_advantages(
     return advantages.tolist()
 
 
-# One answer turn: prompt ids, completion ids, the completion's sampling log-probabilities,
-# and each completion token's advantage.
-Row = tuple[list[int], list[int], list[float], list[float]]
+# One answer turn: prompt ids, completion ids, the completion's sampling log-probabilities
+# (None: a reference answer, not sampled), and each completion token's advantage.
+Row = tuple[list[int], list[int], list[float] | None, list[float]]
 
 
 def error_tokens(tokenizer: Tokenizer, ids: list[int], error: tuple[int, int]) -> tuple[int, int]:
@@ -211,19 +223,25 @@ def turn_rows(
         if not n or len(turn.prompt_ids) + n - 1 > seq_len or (advantage is None and not error):
             continue
         advantages = located_advantages(advantage or 0.0, n, error, penalty)
-        rows.append((turn.prompt_ids, turn.completion_ids, turn.logprobs, advantages))
+        logprobs = None if rollout.off_policy else turn.logprobs
+        rows.append((turn.prompt_ids, turn.completion_ids, logprobs, advantages))
     return rows
 
 
-def collate(rows: list[Row], pad_id: int) -> tuple[Batch, torch.Tensor, torch.Tensor]:
-    """The rows' batch, and the sampling log-probabilities and advantages aligned with its
-    labels (0 elsewhere)."""
+def collate(rows: list[Row], pad_id: int) -> tuple[Batch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' batch, and aligned with its labels (0 elsewhere): the sampling
+    log-probabilities, the advantages, and where the tokens are a reference answer's."""
     batch = completion_batch([(prompt, completion) for prompt, completion, _, _ in rows], pad_id)
     old, advantages = torch.zeros(batch.labels.shape), torch.zeros(batch.labels.shape)
-    for b, (prompt, _, logprobs, adv) in enumerate(rows):
-        old[b, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] = torch.tensor(logprobs)
-        advantages[b, len(prompt) - 1 : len(prompt) - 1 + len(adv)] = torch.tensor(adv)
-    return batch, old, advantages
+    off_policy = torch.zeros(batch.labels.shape, dtype=torch.bool)
+    for b, (prompt, completion, logprobs, adv) in enumerate(rows):
+        span = slice(len(prompt) - 1, len(prompt) - 1 + len(completion))
+        if logprobs is None:
+            off_policy[b, span] = True
+        else:
+            old[b, span] = torch.tensor(logprobs)
+        advantages[b, span] = torch.tensor(adv)
+    return batch, old, advantages, off_policy
 
 
 def micro_batch_rows(rows: list[Row], n: int, pad_id: int) -> list[list[Row]]:
@@ -280,14 +298,22 @@ class RLTrainer(Trainer):
             rl.max_turns, rl.temperature,
         )  # fmt: skip
         del engine
+        if rl.reference_style is not None:
+            for group in groups:
+                reference = reference_rollout(
+                    self.tokenizer, group[0].task, rl.reference_style, len(group)
+                )
+                if reference.reward >= 1.0:  # a reference the verifier fails teaches nothing
+                    group.append(reference)
         learned = self._learned_rewards(groups)
         rows: list[Row] = []
         stats: dict[str, list[float]] = {}
-        kept = flat = 0
+        kept = flat = guided = 0
         advantages: list[float] = []
         for g, group in enumerate(groups):
             domain = group[0].task.domain
-            for r in group:
+            sampled = [r for r in group if not r.off_policy]
+            for r in sampled:
                 stats.setdefault(f"reward/{domain}", []).append(r.reward)
                 stats.setdefault(f"success/{domain}", []).append(float(r.reward >= 1.0))
                 stats.setdefault(f"length/{domain}", []).append(r.num_completion_tokens)
@@ -299,10 +325,19 @@ class RLTrainer(Trainer):
             # Where each answer first went wrong, in domains that can check their working:
             # logged always, and with `step_penalty` where its advantage goes.
             checked = DOMAINS[domain].checks_working
-            errors = [false_steps(r, self.tokenizer) if checked else None for r in group]
+            errors = [
+                false_steps(r, self.tokenizer) if checked and not r.off_policy else None
+                for r in group
+            ]
             if checked:
-                stats.setdefault(f"false_step/{domain}", []).extend(float(any(e)) for e in errors)
-            flat += not informative([r.reward for r in group])
+                stats.setdefault(f"false_step/{domain}", []).extend(
+                    float(any(e)) for r, e in zip(group, errors, strict=True) if not r.off_policy
+                )
+            flat += not informative([r.reward for r in sampled])
+            # Groups where only the reference answer succeeded: what guidance adds.
+            guided += len(sampled) < len(group) and max(r.reward for r in sampled) < max(
+                r.reward for r in group
+            )
             group_adv = episode_advantages(group, rl, learned[g] if learned else None)
             if group_adv is not None:
                 kept += 1
@@ -322,6 +357,8 @@ class RLTrainer(Trainer):
         self.step_stats["groups_kept"] = kept / len(groups)
         # Groups whose verdicts were all alike: no signal of correctness, kept or not.
         self.step_stats["zero_variance_groups"] = flat / len(groups)
+        if rl.reference_style is not None:
+            self.step_stats["guided_groups"] = guided / len(groups)
         self.step_stats["adv_std"] = float(torch.tensor(advantages or [0.0]).std(unbiased=False))
         return self._split(rows)
 
@@ -343,12 +380,12 @@ class RLTrainer(Trainer):
     def _split(self, rows: list[Row]) -> list[Batch]:
         out = []
         for part in micro_batch_rows(rows, self.cfg.grad_accum, self.pad_id):
-            batch, old, adv = collate(part, self.pad_id)
+            batch, old, adv, off_policy = collate(part, self.pad_id)
             ref = None
             if self.reference is not None:
                 with torch.no_grad():
                     ref = label_logprobs(self.reference, batch)[0]
-            out.append(RLBatch(batch, old, ref, adv))
+            out.append(RLBatch(batch, old, ref, adv, off_policy if off_policy.any() else None))
         return out
 
     def train_step(self, step: int) -> dict[str, float]:

@@ -20,7 +20,7 @@ from serving.engine.llm_engine import EngineConfig, EngineInputError, LLMEngine
 from serving.model.causal_lm import CausalLM
 from serving.model.tokenizer import Tokenizer
 from serving.sampling.params import SamplingParams
-from tasks import DOMAINS, Domain, Episode, Task
+from tasks import DOMAINS, Domain, Episode, Style, Task
 from training.config import DataConfig
 
 
@@ -44,6 +44,7 @@ class Rollout:
     reward: float = 0.0
     reason: str = ""
     metrics: dict[str, float] = field(default_factory=dict)  # the verdict's (steps, passed...)
+    off_policy: bool = False  # the domain's reference answer, not sampled (no logprobs)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -66,6 +67,25 @@ def mixed_tasks(data: DataConfig, seeds: list[int]) -> list[Task]:
         DOMAINS[names[i % len(names)]].generate(seed, data.difficulties[i % len(data.difficulties)])
         for i, seed in enumerate(seeds)
     ]
+
+
+def reference_rollout(tokenizer: Tokenizer, task: Task, style: Style, sample: int) -> Rollout:
+    """The domain's reference solution in `style`, played as one more episode of the task:
+    each turn's prompt rendered as a sampled turn's is, its completion tokenized as SFT
+    tokenizes an answer (the text, then the end of the turn), its verdict the verifier's."""
+    eos = tokenizer.raw.token_to_id(tokenizer.eos_token)
+    rollout = Rollout(task, sample, off_policy=True)
+    domain = DOMAINS[task.domain]
+    episode = domain.start(task)
+    try:
+        for text in domain.reference(task, style):
+            ids = [*tokenizer.encode(text), eos]
+            rollout.turns.append(Turn(_prompt(tokenizer, episode), ids, text=text))
+            if episode.step(text):
+                break
+    finally:
+        _score(rollout, episode)
+    return rollout
 
 
 def _prompt(tokenizer: Tokenizer, episode: Episode) -> list[int]:
