@@ -203,7 +203,7 @@ class CurriculumConfig(BaseModel):
 
 
 class QATConfig(BaseModel):
-    """SFT only: train through FP4 weights (`training/stages/qat.py`) and export the FP4
+    """SFT and RL: train through FP4 weights (`training/stages/qat.py`) and export the FP4
     checkpoint."""
 
     model_config = ConfigDict(extra="forbid")

@@ -1,7 +1,8 @@
 """The RL stage end to end on a toy verifiable task: the reward rises, per-domain curves are
 logged, a run killed with SIGKILL resumes to exactly the curves of an uninterrupted one
 (same rollouts, rewards, losses and gradient norms), the MTP head the objective does not
-train leaves as it came, and a reward model's rewards join the verdicts."""
+train leaves as it came, a reward model's rewards join the verdicts, and under `[qat]` the
+policy samples through the FP4 weights it trains through and ships."""
 
 import json
 import os
@@ -96,6 +97,24 @@ def test_the_mtp_head_leaves_as_it_came(tmp_path: Path) -> None:
         k for k in mtp if not exported_unchanged(k)
     ]
     assert not all(exported_unchanged(k) for k in start if k.startswith("layers."))
+
+
+def test_rl_through_fp4_weights_samples_them_and_exports_them(
+    random_checkpoint: Path, tmp_path: Path
+):
+    out = tmp_path / "rl"
+    command = [*rl_command(random_checkpoint, out, 3), "--set", 'qat.format="nvfp4"']
+    subprocess.run(command, check=True, cwd=REPO)
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    # Rollouts from the latent weights would disagree with the trainer's FP4-rounded forward.
+    assert max(row["ratio_max_dev"] for row in log) < 1e-3, [row["ratio_max_dev"] for row in log]
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    assert not (out / "model-latent").exists()
+    start = load_checkpoint(random_checkpoint)
+    end = load_checkpoint(out / "model", keep_fp4=False)
+    pairs = zip(start.parameters(), end.parameters(), strict=True)
+    assert any(not torch.equal(a, b) for a, b in pairs)  # the policy moved
 
 
 def test_a_reward_model_joins_the_verdicts(random_checkpoint: Path, tmp_path: Path):

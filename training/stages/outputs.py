@@ -6,6 +6,7 @@ trainer restarts from its last checkpoint (`checkpointing.py`).
 """
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,12 +14,13 @@ import torch
 import torch.distributed as dist
 
 from serving.model import families
+from serving.model.checkpoint import quantize_checkpoint
 from serving.model.families import LanguageModel
 from serving.model.hybrid.config import is_hybrid_config
 from serving.model.tokenizer import Tokenizer
-from training.config import ConfigError, StageBase
+from training.config import ConfigError, QATConfig, StageBase
 from training.data.tokenizer import EOS_TOKEN, PAD_TOKEN
-from training.stages.qat import served_state_dict
+from training.stages.qat import disable_qat, served_state_dict
 from training.stages.trainer import Trainer, init_distributed
 
 
@@ -72,6 +74,26 @@ def export(model: LanguageModel, out: Path, tokenizer_dir: Path, dtype: torch.dt
 def bf16_export(tokenizer_dir: Path) -> Callable[[LanguageModel, Path], Path]:
     """The `write` of `finish` for the stages whose model ships in bf16 as trained."""
     return lambda model, final: export(model, final, tokenizer_dir, torch.bfloat16)
+
+
+def trained_export(
+    qat: QATConfig, tokenizer_dir: Path, out_dir: Path
+) -> Callable[[LanguageModel, Path], object]:
+    """The `write` of `finish` for a stage that may train through FP4 weights: in bf16 as
+    trained, or under `[qat]` the FP4 checkpoint `tierserve quantize` makes of the latent
+    weights, which rounds them exactly as training saw them."""
+    if qat.format is None:
+        return bf16_export(tokenizer_dir)
+    fmt = qat.format
+
+    def write(model: LanguageModel, final: Path) -> None:
+        disable_qat(model)
+        latent = export(model, out_dir / "model-latent", tokenizer_dir, torch.float32)
+        shutil.rmtree(final, ignore_errors=True)
+        quantize_checkpoint(latent, final, fmt, qat.all_linear, torch.bfloat16)
+        shutil.rmtree(latent)
+
+    return write
 
 
 def finish(

@@ -29,7 +29,7 @@ from serving.model.checkpoint import load_checkpoint
 from serving.model.tokenizer import Tokenizer
 from tasks import DOMAINS, Task
 from tasks.seeds import train_seed
-from training.config import DataConfig, FromCheckpoint, RLConfig
+from training.config import DataConfig, FromCheckpoint, QATConfig, RLConfig
 from training.data.datasets import IGNORE, Batch, SampleOrder, completion_batch
 from training.objectives.grpo import (
     DomainWeights,
@@ -44,16 +44,19 @@ from training.objectives.grpo import (
 from training.objectives.losses import LossParts, token_losses
 from training.objectives.reward_model import load_reward_model
 from training.stages.policy import post_train, trainable_policy
+from training.stages.qat import enable_qat
 from training.stages.reward_model import merged_rewards
 from training.stages.rollouts import Rollout, inference_copy, play, reference_rollout
 from training.stages.trainer import EvalFn, Trainer
 
 
 class RLStage(FromCheckpoint):
-    """`init` is the policy trained (and, with a KL term, the frozen reference)."""
+    """`init` is the policy trained (and, with a KL term, the frozen reference). With `[qat]`
+    the policy samples, learns and ships through the FP4 weights it is served with."""
 
     stage: Literal["rl"] = "rl"
     rl: RLConfig = RLConfig()
+    qat: QATConfig = QATConfig()
 
 
 class RLBatch(Batch):
@@ -268,12 +271,17 @@ class RLTrainer(Trainer):
         tracked = config.rl.kl_coef > 0 or config.rl.track_kl
         # The reference computes as the trainer does (FP4 widened), so its KL starts at 0.
         self.reference = load_checkpoint(config.init, keep_fp4=False).eval() if tracked else None
+        model = trainable_policy(config.init)
+        qat = config.qat
+        if qat.format is not None:  # the reference too, so the KL starts at 0 again
+            enable_qat(model, qat.format, qat.all_linear)
+            if self.reference is not None:
+                enable_qat(self.reference, qat.format, qat.all_linear)
         self.weights = DomainWeights(
             dict(config.data.mix), fixed=config.rl.domain_weighting == "fixed"
         )
         self.step_stats: dict[str, float] = {}
         self.learned_stats: dict[str, float] = {}
-        model = trainable_policy(config.init)
         super().__init__(model, config.train, None, out_dir, rl_loss(config), evaluate, "rl")
         rm = config.rl.reward_model
         self.reward_model = load_reward_model(Path(rm)).to(self.device) if rm else None
@@ -395,4 +403,4 @@ class RLTrainer(Trainer):
 
 def rl(config: RLStage, out_dir: Path) -> Path:
     """GRPO on the verifiers' rewards, into `out_dir`; returns the exported model directory."""
-    return post_train(config, out_dir, RLTrainer)
+    return post_train(config, out_dir, RLTrainer, config.qat)

@@ -22,6 +22,7 @@ from serving.model.tokenizer import Tokenizer
 from serving.sampling.params import SamplingParams
 from tasks import DOMAINS, Domain, Episode, Style, Task
 from training.config import DataConfig
+from training.stages.qat import served_state_dict
 
 
 @dataclass
@@ -52,10 +53,12 @@ class Rollout:
 
 
 def inference_copy(model: CausalLM, tokenizer: Tokenizer, config: EngineConfig) -> LLMEngine:
-    """An engine over a copy of the training model's current weights, in fp32 (the engine
-    packs its model's weights for inference, so it cannot share the trainer's)."""
+    """An engine over a copy of the training model's current weights as its forward pass sees
+    them (under QAT: FP4-rounded), in fp32 (the engine packs its model's weights for inference,
+    so it cannot share the trainer's)."""
     copy = CausalLM(model.config)
-    copy.load_state_dict({k: v.detach().float().clone() for k, v in model.state_dict().items()})
+    state = served_state_dict(model)
+    copy.load_state_dict({k: v.detach().float().clone() for k, v in state.items()})
     return LLMEngine(copy.eval(), config, tokenizer)
 
 

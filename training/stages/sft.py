@@ -7,14 +7,12 @@ short-style student, `[qat]` trains through FP4 weights and exports the FP4 chec
 `[curriculum]` orders the examples by difficulty and domain loss.
 """
 
-import shutil
 from pathlib import Path
 from typing import Literal
 
-import torch
 from pydantic import Field, model_validator
 
-from serving.model.checkpoint import load_checkpoint, quantize_checkpoint
+from serving.model.checkpoint import load_checkpoint
 from serving.model.families import load_model
 from serving.model.hybrid.model import HybridCausalLM
 from serving.model.tokenizer import Tokenizer
@@ -24,9 +22,9 @@ from training.data.datasets import SFTDataset, build_sft
 from training.data.target_data import target_completions
 from training.objectives.lm_loss import Teacher, lm_loss
 from training.stages.heldout import harness_eval
-from training.stages.outputs import begin, build_once, export, finish, pad_id
+from training.stages.outputs import begin, build_once, finish, pad_id, trained_export
 from training.stages.pruning import keep_layers
-from training.stages.qat import disable_qat, enable_qat
+from training.stages.qat import enable_qat
 from training.stages.trainer import Trainer
 
 # Training seeds of the held-out SFT examples: far past any run's own (still below the
@@ -123,15 +121,4 @@ def sft(config: SFTStage, out_dir: Path) -> Path:
         desc="sft",
         sampler=curriculum,
     )
-
-    def write(model: torch.nn.Module, final: Path) -> None:
-        if config.qat.format is None:
-            export(model, final, tok_dir, torch.bfloat16)
-            return
-        disable_qat(model)
-        latent = export(model, out_dir / "model-latent", tok_dir, torch.float32)
-        shutil.rmtree(final, ignore_errors=True)
-        quantize_checkpoint(latent, final, config.qat.format, config.qat.all_linear, torch.bfloat16)
-        shutil.rmtree(latent)
-
-    return finish(trainer, config, out_dir, write)
+    return finish(trainer, config, out_dir, trained_export(config.qat, tok_dir, out_dir))
