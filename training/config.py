@@ -288,6 +288,7 @@ RECIPE_STAGES = (
     "sft-think",
     "sft-short",
     "qat-short",
+    "rl-short",
     "mtp-short",
     "dpo",
     "rl",

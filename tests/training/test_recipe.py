@@ -43,7 +43,10 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_every_stage_leaves_a_model_curves_and_logs(smoke: Path) -> None:
-    stages = ("pretrain", "sft-think", "sft-short", "qat-short", "mtp-short", "dpo", "rl", "draft")
+    stages = (
+        *("pretrain", "sft-think", "sft-short", "qat-short", "rl-short", "mtp-short"),
+        *("dpo", "rl", "draft"),
+    )
     for stage in stages:
         run = smoke / "runs" / stage
         assert (run / "curves.png").stat().st_size > 1000
@@ -73,11 +76,13 @@ def test_every_stage_leaves_a_model_curves_and_logs(smoke: Path) -> None:
         == (smoke / "runs" / "mtp-short" / "model" / "model.safetensors").read_bytes()
     )
     out = (smoke / "stdout.txt").read_text()
-    for stage in (*summary["full_stages"], "sft-short", "qat-short"):
+    for stage in (*summary["full_stages"], "sft-short", "qat-short", "rl-short"):
         assert f"### {stage}" in out  # every post-training stage's table, by name
         assert (smoke / "runs" / f"eval-{stage}.md").read_text().startswith("| domain")
     assert (smoke / "runs" / "dpo" / "win-rates.md").read_text().startswith("| objective")
     assert "reward/" in (smoke / "runs" / "rl" / "log.jsonl").read_text()
+    rl_short = json.loads((smoke / "runs" / "rl-short" / "model" / "config.json").read_text())
+    assert rl_short["quantization_config"]["format"] == "nvfp4-pack-quantized"
     router = json.loads((smoke / "runs" / "router" / "summary.json").read_text())
     assert router["paired_tasks"] == 4  # one task a domain at difficulty 1, both tiers
     assert (smoke / "models" / "router.npz").read_bytes() == (
@@ -137,10 +142,12 @@ def test_the_regression_gate_keeps_only_stages_that_lose_no_domain(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The RL stage's model completes fewer math tasks than DPO's, beyond the allowed drop:
-    it is not kept, and the full tier ships DPO's model."""
+    it is not kept, and the full tier ships DPO's model. The highspeed student's RL gains:
+    its MTP head is trained on it."""
     from training.recipes import run as recipes
 
-    rates = {"sft-think": 0.5, "sft-short": 0.5, "qat-short": 0.5, "dpo": 0.6, "rl": 0.3}
+    rates = {"sft-think": 0.5, "sft-short": 0.5, "qat-short": 0.5, "rl-short": 0.6}
+    rates |= {"dpo": 0.6, "rl": 0.3}
     work, inits = _fake_chain(monkeypatch, tmp_path, rates)
     recipes.run_recipe("smoke", work, tmp_path / "models")
     summary = json.loads((work / "recipe-summary.json").read_text())
@@ -152,6 +159,9 @@ def test_the_regression_gate_keeps_only_stages_that_lose_no_domain(
     assert inits["draft"] == str(work / "dpo" / "model")  # distilled from the kept
     assert inits["rl"] == str(work / "dpo" / "model")
     assert inits["st-a"] == str(work / "sft-think" / "a" / "model")
+    assert inits["rl-short"] == str(work / "qat-short" / "model")
+    assert inits["mtp-short"] == str(work / "rl-short" / "model")
+    assert "### rl-short (shipped)" in summary["tables"]["highspeed"]
     assert (tmp_path / "models" / "smoke-full" / "from").read_text() == str(work / "dpo" / "model")
     assert (tmp_path / "models" / "router.npz").read_bytes() == b"router"
 
@@ -162,8 +172,9 @@ def test_tiers_that_lose_to_the_models_they_replace_are_not_published(
     from training.recipes import run as recipes
     from training.recipes.gate import GateError
 
-    rates = {"sft-think": 0.5, "sft-short": 0.5, "qat-short": 0.5, "dpo": 0.5, "rl": 0.5}
-    work, _ = _fake_chain(monkeypatch, tmp_path, rates | {"models": 0.9})
+    rates = {"sft-think": 0.5, "sft-short": 0.5, "qat-short": 0.5, "rl-short": 0.4}
+    rates |= {"dpo": 0.5, "rl": 0.5}
+    work, inits = _fake_chain(monkeypatch, tmp_path, rates | {"models": 0.9})
     shipped = tmp_path / "models" / "smoke-full"
     shipped.mkdir(parents=True)
     (shipped / "config.json").write_text("{}")  # the model the new full tier would replace
@@ -174,6 +185,12 @@ def test_tiers_that_lose_to_the_models_they_replace_are_not_published(
     assert (work / "candidates" / "smoke-full" / "from").exists()
     summary = json.loads((work / "recipe-summary.json").read_text())
     assert list(summary["not_published"]) == ["full"]  # nothing was there for highspeed
+    # the student's RL lost math: the highspeed tier is the QAT model, with its MTP head
+    assert summary["rejected"] == {
+        "rl-short": "against qat-short: math: 40.0% vs baseline 50.0% (-10.0 points > 2.0)"
+    }
+    assert inits["mtp-short"] == str(work / "qat-short" / "model")
+    assert "### qat-short (shipped)" in summary["tables"]["highspeed"]
 
 
 @pytest.mark.parametrize("tier", ["full", "highspeed", "draft"])

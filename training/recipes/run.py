@@ -9,11 +9,12 @@ tokenizer -> pretrain (the base MoE, with MTP) -> sft-think, the full tier's SFT
 (with RL runs between its phases where the recipe has them) -> sft-short, the highspeed student:
 the think-style model cut to some of its decoder layers (`[highspeed] keep_layers`), fine-tuned
 in the short style and distilled from think-style models -> qat-short, quantization-aware SFT
-of the student, whose FP4 export is the highspeed tier -> mtp-short, that model's MTP head
-trained alone on its own greedy answers -> dpo, rl: the full tier's post-training, each
-evaluated on held-out tasks against the model before it and kept only when it loses no domain
-(`gate.py`) -> draft, a dense drafter distilled from the full model that ships -> router, the
-learned router trained on both tiers' outcomes -> gate: the tiers replace the models under
+of the student, stored as FP4 -> rl-short, the student's RL through those FP4 weights, kept
+only when it loses no domain (`gate.py`) -> mtp-short, the highspeed model's MTP head trained
+alone on its own greedy answers -> dpo, rl: the full tier's post-training, each evaluated on
+held-out tasks against the model before it and kept only when it loses no domain -> draft, a
+dense drafter distilled from the full model that ships -> router, the learned router trained on
+both tiers' outcomes -> gate: the tiers replace the models under
 `--models` only when they lose no domain to them -> the models, with their cards.
 
 Every run of the chain is planned and validated before the first trains; rerunning the command
@@ -47,12 +48,14 @@ STAGE_FILES = {
     "sft-think": "sft.toml",
     "sft-short": "sft-short.toml",
     "qat-short": "qat.toml",
+    "rl-short": "rl-short.toml",
     "mtp-short": "mtp.toml",
     "dpo": "dpo.toml",
     "rl": "rl.toml",
     "draft": "draft.toml",
 }
 POST_TRAINING = ("dpo", "rl")  # in this order, each from the one kept before it
+STUDENT_STAGES = ("sft-short", "qat-short")  # the highspeed student, before its RL
 TIERS = ("full", "highspeed", "draft")
 
 
@@ -64,11 +67,12 @@ def recipe_dir(name: str) -> Path:
     return path
 
 
-def wiring(stage: str, work: Path, recipe: RecipeConfig, full: Path) -> dict[str, Any]:
+def wiring(stage: str, work: Path, recipe: RecipeConfig, full: Path, short: Path) -> dict[str, Any]:
     """What the chain gives a stage's first run: the model it starts from, and for the
-    student its layers and teacher; `full` is the full-tier model the late stages start from."""
+    student its layers and teacher; `full` and `short` are the full-tier and highspeed models
+    the late stages start from."""
     model = {s: str(work / s / "model") for s in STAGE_FILES}
-    short = "qat-short" if "qat-short" in recipe.stages else "sft-short"
+    student = "qat-short" if "qat-short" in recipe.stages else "sft-short"
     return {
         "pretrain": {"tokenizer": str(work / "tokenizer")},
         "sft-think": {"init": model["pretrain"], "style": "think"},
@@ -79,18 +83,21 @@ def wiring(stage: str, work: Path, recipe: RecipeConfig, full: Path) -> dict[str
             "teacher": model["sft-think"],
         },
         "qat-short": {"init": model["sft-short"], "style": "short"},
-        "mtp-short": {"init": model[short], "style": "short"},
+        "rl-short": {"init": model[student], "style": "short"},
+        "mtp-short": {"init": str(short), "style": "short"},
     }.get(stage, {"init": str(full)})
 
 
 def plan(src: Path, work: Path, recipe: RecipeConfig) -> dict[str, list[Run]]:
     """Every training run of the recipe, validated, in order (the late stages as if they
-    start from the full tier's SFT model: which model they start from is decided as it runs)."""
+    start from the full tier's SFT model and the last highspeed stage's: which models they
+    start from is decided as it runs)."""
     known: set[str] = {"tokenizer"}
-    full = work / "sft-think" / "model"
+    last_short = [s for s in (*STUDENT_STAGES, "rl-short") if s in recipe.stages][-1]
+    full, short = work / "sft-think" / "model", work / last_short / "model"
     return {
         stage: plan_stage(
-            src, work, stage, STAGE_FILES[stage], wiring(stage, work, recipe, full), known
+            src, work, stage, STAGE_FILES[stage], wiring(stage, work, recipe, full, short), known
         )
         for stage in recipe.stages
         if stage in STAGE_FILES
@@ -127,12 +134,13 @@ class Chain:
     def train(self, stage: str, full: Path | None = None) -> Path:
         """Run `stage` (every phase); returns its model directory."""
         full = full or self.work / "sft-think" / "model"
+        short = self.work / self.short_stages[-1] / "model" if self.short_stages else full
         runs = plan_stage(
             self.src,
             self.work,
             stage,
             STAGE_FILES[stage],
-            wiring(stage, self.work, self.recipe, full),
+            wiring(stage, self.work, self.recipe, full, short),
             self.known,
         )
         self.plan[stage] = runs
@@ -187,9 +195,12 @@ def _run(chain: Chain) -> tuple[dict[str, Path], dict[str, list[str]]]:
     for stage in ("pretrain", "sft-think", "sft-short", "qat-short"):
         if chain.has(stage):
             chain.train(stage)
-    chain.short_stages = [s for s in ("sft-short", "qat-short") if chain.has(s)]
+    chain.short_stages = [s for s in STUDENT_STAGES if chain.has(s)]
     for stage in ("sft-think", *chain.short_stages):
         chain.evaluate(stage)
+    if chain.has("rl-short"):
+        chain.train("rl-short")
+        _keep_if_no_domain_lost(chain, "rl-short", chain.short_stages)
     shipped_short = work / chain.short_stages[-1] / "model"
     if chain.has("mtp-short"):  # the head alone: the main model evaluated above ships
         shipped_short = chain.train("mtp-short")
@@ -216,18 +227,24 @@ def _post_train(chain: Chain) -> None:
     """DPO and RL, each from the model kept before it, each kept only if it loses no domain;
     the full tier ships the kept model with the best mean completion."""
     for stage in (s for s in POST_TRAINING if chain.has(s)):
-        before = chain.kept[-1]
-        chain.train(stage, chain.work / before / "model")
-        rows = chain.evaluate(stage)
-        verdict = post_training_verdict(
-            rows, chain.evals[before], before, chain.recipe.regression.max_drop
-        )
-        if verdict is None:
-            chain.kept.append(stage)
-        else:
-            chain.rejected[stage] = verdict
-            tqdm.write(f"regression gate: {stage} not kept, {verdict}")
+        chain.train(stage, chain.work / chain.kept[-1] / "model")
+        _keep_if_no_domain_lost(chain, stage, chain.kept)
     chain.best = max(chain.kept, key=lambda s: mean_completion(chain.evals[s]))
+
+
+def _keep_if_no_domain_lost(chain: Chain, stage: str, kept: list[str]) -> None:
+    """Evaluate a post-training stage against the last of `kept`, its tier's chain so far,
+    and add it there only when it loses no domain."""
+    before = kept[-1]
+    rows = chain.evaluate(stage)
+    verdict = post_training_verdict(
+        rows, chain.evals[before], before, chain.recipe.regression.max_drop
+    )
+    if verdict is None:
+        kept.append(stage)
+    else:
+        chain.rejected[stage] = verdict
+        tqdm.write(f"regression gate: {stage} not kept, {verdict}")
 
 
 def _gate(chain: Chain) -> dict[str, list[str]]:
@@ -268,6 +285,10 @@ def _publish(
         f"{recipe.highspeed.keep_layers or 'all'}, fine-tuned on short direct answers of the same "
         "tasks and distilled from full-tier models' reasoned ones"
         + (", then trained through FP4 expert weights and stored as FP4" * chain.has("qat-short"))
+        + (
+            "; then RL-trained on the verifiers' rewards, sampling and training through those "
+            "FP4 weights" * ("rl-short" in chain.short_stages)
+        )
         + ("; its MTP head then trained alone on its own greedy answers" * chain.has("mtp-short"))
         + ".",
         "draft": f"A dense drafter distilled from `{name}-full`'s next-token distributions, "
@@ -295,22 +316,21 @@ def _publish(
 
 
 def _tables(chain: Chain) -> dict[str, str]:
-    def heading(stage: str) -> str:
-        if stage in chain.rejected:
-            return f"{stage} (not kept: {chain.rejected[stage]})"
-        return f"{stage}{' (shipped)' if stage == chain.best else ''}"
+    def table(stages: tuple[str, ...], shipped: str) -> str:
+        def heading(stage: str) -> str:
+            if stage in chain.rejected:
+                return f"{stage} (not kept: {chain.rejected[stage]})"
+            return f"{stage}{' (shipped)' if stage == shipped else ''}"
 
-    full = [s for s in ("sft-think", *POST_TRAINING) if s in chain.evals]
-    last_short = chain.short_stages[-1]
+        return "\n\n".join(
+            f"### {heading(s)}\n\n{harness.format_table(chain.evals[s])}"
+            for s in stages
+            if s in chain.evals
+        )
+
     return {
-        "full": "\n\n".join(
-            f"### {heading(s)}\n\n{harness.format_table(chain.evals[s])}" for s in full
-        ),
-        "highspeed": "\n\n".join(
-            f"### {s}{' (shipped)' if s == last_short else ''}\n\n"
-            f"{harness.format_table(chain.evals[s])}"
-            for s in chain.short_stages
-        ),
+        "full": table(("sft-think", *POST_TRAINING), chain.best),
+        "highspeed": table((*STUDENT_STAGES, "rl-short"), chain.short_stages[-1]),
     }
 
 
