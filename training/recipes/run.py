@@ -56,6 +56,7 @@ STAGE_FILES = {
 }
 POST_TRAINING = ("dpo", "rl")  # in this order, each from the one kept before it
 STUDENT_STAGES = ("sft-short", "qat-short")  # the highspeed student, before its RL
+HIGHSPEED_STAGES = (*STUDENT_STAGES, "rl-short")  # each from the one before
 TIERS = ("full", "highspeed", "draft")
 
 
@@ -72,7 +73,7 @@ def wiring(stage: str, work: Path, recipe: RecipeConfig, full: Path, short: Path
     student its layers and teacher; `full` and `short` are the full-tier and highspeed models
     the late stages start from."""
     model = {s: str(work / s / "model") for s in STAGE_FILES}
-    student = "qat-short" if "qat-short" in recipe.stages else "sft-short"
+    student = last_stage(recipe, STUDENT_STAGES)
     return {
         "pretrain": {"tokenizer": str(work / "tokenizer")},
         "sft-think": {"init": model["pretrain"], "style": "think"},
@@ -88,13 +89,18 @@ def wiring(stage: str, work: Path, recipe: RecipeConfig, full: Path, short: Path
     }.get(stage, {"init": str(full)})
 
 
+def last_stage(recipe: RecipeConfig, stages: tuple[str, ...]) -> str:
+    """The last of `stages` the recipe has."""
+    return [s for s in stages if s in recipe.stages][-1]
+
+
 def plan(src: Path, work: Path, recipe: RecipeConfig) -> dict[str, list[Run]]:
     """Every training run of the recipe, validated, in order (the late stages as if they
     start from the full tier's SFT model and the last highspeed stage's: which models they
     start from is decided as it runs)."""
     known: set[str] = {"tokenizer"}
-    last_short = [s for s in (*STUDENT_STAGES, "rl-short") if s in recipe.stages][-1]
-    full, short = work / "sft-think" / "model", work / last_short / "model"
+    full = work / "sft-think" / "model"
+    short = work / last_stage(recipe, HIGHSPEED_STAGES) / "model"
     return {
         stage: plan_stage(
             src, work, stage, STAGE_FILES[stage], wiring(stage, work, recipe, full, short), known
@@ -134,7 +140,8 @@ class Chain:
     def train(self, stage: str, full: Path | None = None) -> Path:
         """Run `stage` (every phase); returns its model directory."""
         full = full or self.work / "sft-think" / "model"
-        short = self.work / self.short_stages[-1] / "model" if self.short_stages else full
+        kept = self.short_stages or [last_stage(self.recipe, HIGHSPEED_STAGES)]
+        short = self.work / kept[-1] / "model"
         runs = plan_stage(
             self.src,
             self.work,
@@ -330,7 +337,7 @@ def _tables(chain: Chain) -> dict[str, str]:
 
     return {
         "full": table(("sft-think", *POST_TRAINING), chain.best),
-        "highspeed": table((*STUDENT_STAGES, "rl-short"), chain.short_stages[-1]),
+        "highspeed": table(HIGHSPEED_STAGES, chain.short_stages[-1]),
     }
 
 
